@@ -1,0 +1,59 @@
+"""Progress bars (tqdm.auto: a widget in notebooks, text in a terminal) and rich display helpers."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = ["AUTO_PROGRESS_BYTES", "Progress", "interactive"]
+
+AUTO_PROGRESS_BYTES = 256 * 2**20
+"""With ``progress=None``, a bar is shown for work over this many bytes in interactive output."""
+
+
+def interactive() -> bool:
+    """True in a Jupyter kernel or when stderr is a terminal."""
+    if "ipykernel" in sys.modules:
+        return True
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+class Progress:
+    """A byte-counting progress bar that appears only when wanted.
+
+    ``enabled``: True/False force it; None shows it when the total exceeds
+    :data:`AUTO_PROGRESS_BYTES` and the output is interactive.
+    """
+
+    def __init__(self, enabled: bool | None, desc: str) -> None:
+        self._enabled = enabled
+        self._desc = desc
+        self._bar: Any = None
+        self._total: int | None = None
+
+    def _start(self, total: int | None) -> None:
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=total, desc=self._desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+
+    def total(self, nbytes: int) -> None:
+        """Announce the total work in bytes (starts the bar if it is wanted)."""
+        self._total = nbytes
+        wanted = self._enabled if self._enabled is not None else (nbytes > AUTO_PROGRESS_BYTES and interactive())
+        if wanted and self._bar is None:
+            self._start(nbytes)
+
+    def update(self, nbytes: int) -> None:
+        """Count ``nbytes`` more bytes done."""
+        if self._bar is None and self._enabled and self._total is None:
+            self._start(None)
+        if self._bar is not None:
+            self._bar.update(nbytes)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

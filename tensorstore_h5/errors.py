@@ -1,0 +1,46 @@
+"""Exception and warning classes of tensorstore_h5.
+
+Every error raised on purpose by the library derives from :class:`TensorStoreError`
+and also from the built-in exception a caller would expect (``ValueError``,
+``TypeError``, ``KeyError``), so ``except KeyError`` keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TensorStoreError",
+    "FormatError",
+    "UnsupportedTypeError",
+    "KeyNotFoundError",
+    "MismatchError",
+    "TensorStoreWarning",
+]
+
+
+class TensorStoreError(Exception):
+    """Base class of every error that tensorstore_h5 raises on purpose."""
+
+
+class FormatError(TensorStoreError, ValueError):
+    """A file is not a readable tensorstore_h5/HDF5 file: not HDF5, of a newer format
+    version, truncated, or with damaged layout attributes. The message names the file
+    and, where it applies, the key."""
+
+
+class UnsupportedTypeError(TensorStoreError, TypeError):
+    """A value cannot be stored without pickle (the message names the key path and type)."""
+
+
+class KeyNotFoundError(TensorStoreError, KeyError):
+    """A requested key path is not in the file; the message names the closest keys."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class MismatchError(TensorStoreError, ValueError):
+    """A target tensor's shape, dtype or device does not fit the stored tensor."""
+
+
+class TensorStoreWarning(UserWarning):
+    """Warnings issued by tensorstore_h5."""

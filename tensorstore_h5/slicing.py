@@ -1,0 +1,103 @@
+"""Index expressions (``h[3]``, ``h[10:20]``, ``h[:, 3:7]``, ``h[..., ::2]``) -> HDF5 hyperslabs.
+
+Every read path turns its index into a :class:`Selection` here, once.
+(Key selection, ``select=``, lives in ``select.py``.)
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Selection", "select", "rows"]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """A regular hyperslab of a dataset of shape ``source`` and the shape of the result.
+
+    ``start``, ``count`` and ``step`` have one value per dataset dimension (elements);
+    ``shape`` drops the dimensions that were indexed by an integer.
+    """
+
+    source: tuple[int, ...]
+    start: tuple[int, ...]
+    count: tuple[int, ...]
+    step: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def full(self) -> bool:
+        """True when the selection is the whole dataset in order."""
+        return self.count == self.source and all(s == 1 for s in self.step)
+
+    @property
+    def empty(self) -> bool:
+        return 0 in self.count
+
+    @property
+    def contiguous_rows(self) -> bool:
+        """True when the selected elements form one contiguous byte range of a row-major dataset."""
+        if self.empty:
+            return True
+        dims = len(self.source)
+        # Leading dims may be single elements, one dim may be a unit-step range, the rest must be full.
+        i = 0
+        while i < dims and self.count[i] == 1:
+            i += 1
+        if i == dims:
+            return True
+        if self.step[i] != 1:
+            return False
+        return all(self.count[j] == self.source[j] and self.step[j] == 1 for j in range(i + 1, dims))
+
+
+def select(index: Any, shape: tuple[int, ...]) -> Selection:
+    """The selection of ``index`` on a dataset of ``shape``.
+
+    Supports integers (negative counts from the end), slices with a positive step, and one
+    Ellipsis. Raises IndexError for anything else or out-of-range integers.
+    """
+    items = index if isinstance(index, tuple) else (index,)
+    if sum(1 for it in items if it is Ellipsis) > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
+    n_real = sum(1 for it in items if it is not Ellipsis)
+    if n_real > len(shape):
+        raise IndexError(f"too many indices: {n_real} for a tensor of {len(shape)} dimensions")
+    expanded: list[Any] = []
+    for it in items:
+        if it is Ellipsis:
+            expanded.extend([slice(None)] * (len(shape) - n_real))
+        else:
+            expanded.append(it)
+    expanded.extend([slice(None)] * (len(shape) - len(expanded)))
+    start, count, step, out = [], [], [], []
+    for dim, (it, n) in enumerate(zip(expanded, shape)):
+        if isinstance(it, slice):
+            a, b, s = it.indices(n)
+            if s <= 0:
+                raise IndexError("slices with a negative or zero step are not supported; flip the result instead")
+            c = max(0, (b - a + s - 1) // s)
+            start.append(a if c else 0)
+            count.append(c)
+            step.append(s)
+            out.append(c)
+        else:
+            try:
+                i = operator.index(it)
+            except TypeError:
+                raise IndexError(
+                    f"unsupported index {it!r} of type {type(it).__name__}: use integers, slices and '...'"
+                ) from None
+            if not -n <= i < n:
+                raise IndexError(f"index {i} is out of range for dimension {dim} of size {n}")
+            start.append(i % n)
+            count.append(1)
+            step.append(1)
+    return Selection(tuple(shape), tuple(start), tuple(count), tuple(step), tuple(out))
+
+
+def rows(shape: tuple[int, ...], first: int, stop: int) -> Selection:
+    """The selection of rows ``first:stop`` of dimension 0 (all of the other dimensions)."""
+    return select(slice(first, stop), shape)

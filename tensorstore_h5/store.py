@@ -1,0 +1,402 @@
+"""Reading files: :class:`Store` (lazy, read-only) and :class:`TensorHandle`."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Union
+
+import h5py
+import numpy as np
+import torch
+
+from . import compression, io, tree
+from .display import Progress
+from .dtypes import bits_view
+from .errors import FormatError, KeyNotFoundError, MismatchError
+from .format import ArrayEntry, Container, ForeignEntry, Layout, TensorEntry, ValueEntry, contiguous_stride, read_layout
+from .select import Selector, closest, resolve
+from .slicing import Selection, select as select_index
+from .tree import Leaf
+
+__all__ = ["Store", "TensorHandle", "open_store", "Device"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+Device = Union[None, str, torch.device, Mapping[str, Any], Callable[[str], Any]]
+
+_H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
+
+
+class TensorHandle:
+    """A lazy view of one stored tensor: metadata now, bytes when indexed or read.
+
+    ``h[10:20]``, ``h[:, 3:7]``, ``h[...]`` read only the selected elements and return a new
+    contiguous CPU tensor. :meth:`read` restores the saved memory layout (stride) and can
+    fill a preallocated ``out`` tensor.
+    """
+
+    __slots__ = ("_store", "_entry")
+
+    def __init__(self, store: Store, entry: TensorEntry) -> None:
+        self._store = store
+        self._entry = entry
+
+    @property
+    def key(self) -> str:
+        """The key path."""
+        return self._entry.path
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._entry.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._entry.dtype.torch_dtype
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        """The stride (elements) the tensor had when saved; row-major when it was contiguous."""
+        return self._entry.stride or contiguous_stride(self._entry.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor's data in bytes."""
+        return self._entry.nbytes
+
+    @property
+    def ndim(self) -> int:
+        return len(self._entry.shape)
+
+    def numel(self) -> int:
+        return self._entry.numel
+
+    def __len__(self) -> int:
+        if not self._entry.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self._entry.shape[0]
+
+    @property
+    def compression(self) -> dict[str, Any] | None:
+        """Filters and chunk shape of the dataset, or None when it is stored uncompressed."""
+        return self._store._compression(self._entry)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.read(index=index)
+
+    def read(self, out: torch.Tensor | None = None, *, index: Any = None) -> torch.Tensor:
+        """Read the tensor, or the part selected by ``index``, into ``out`` or a new tensor.
+
+        Args:
+            out: a tensor of the selection's shape and of this dtype to fill in place
+                (checked before any I/O). Without it a new CPU tensor is returned; a full
+                read restores the saved stride.
+            index: what ``h[index]`` would take: integers, slices (positive step), ``...``.
+
+        Returns:
+            ``out``, or the new tensor.
+
+        Raises:
+            MismatchError: ``out`` has another shape or dtype.
+            IndexError: for an unsupported or out-of-range index.
+            FormatError: the dataset cannot be read (damaged or truncated file).
+        """
+        sel = select_index(() if index is None else index, self._entry.shape)
+        return self._store._read_tensor(self._entry, sel, out, restore_layout=index is None)
+
+    def __repr__(self) -> str:
+        e = self._entry
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"<TensorHandle {e.path!r} shape={list(e.shape)} dtype={dtype} {_human(e.nbytes)}>"
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+class Store:
+    """A tensorstore_h5 (or plain HDF5) file opened read-only. Nothing is read until asked for.
+
+    Example::
+
+        with th5.open("ckpt.h5") as store:
+            print(store.keys())
+            w = store["model/enc.weight"][:, :16]      # reads 16 columns only
+            for key, t in store.items(select="model/*"):
+                ...                                    # one tensor at a time
+
+    Raises:
+        FileNotFoundError: no such file.
+        FormatError: not an HDF5 file, a newer format version, or a damaged layout.
+    """
+
+    def __init__(self, path: PathLike) -> None:
+        self.path = os.fspath(path)
+        if not os.path.exists(self.path):
+            raise FileNotFoundError(f"no such file: {self.path!r}")
+        try:
+            self._file: h5py.File | None = h5py.File(self.path, "r")
+        except OSError as e:
+            raise FormatError(f"{self.path}: not a readable HDF5 file ({e})") from e
+        try:
+            self._layout: Layout = read_layout(self._file, self.path)
+        except BaseException:
+            self._file.close()
+            raise
+        leaves = self._layout.leaves
+        self._leaf_paths = [e.path for e in leaves]
+        self._container_paths = [e.path for e in self._layout.entries if isinstance(e, Container) and e.path]
+        self._checked: set[str] = set()
+
+    # -- mapping-like view ---------------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        """Key paths of every leaf, in saved order."""
+        return list(self._leaf_paths)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._leaf_paths)
+
+    def __len__(self) -> int:
+        return len(self._leaf_paths)
+
+    def __contains__(self, key: object) -> bool:
+        e = self._layout.by_path.get(key) if isinstance(key, str) else None
+        return e is not None and not isinstance(e, Container)
+
+    def __getitem__(self, key: str) -> Any:
+        """A :class:`TensorHandle` for a tensor leaf; the value for other leaves (numpy arrays are read).
+
+        Raises KeyNotFoundError (a KeyError) naming the closest keys.
+        """
+        entry = self._entry(key)
+        if isinstance(entry, TensorEntry):
+            return TensorHandle(self, entry)
+        return self._read_leaf(entry, {}, None)
+
+    def _entry(self, key: str) -> Any:
+        entry = self._layout.by_path.get(key)
+        if entry is None or isinstance(entry, Container):
+            if entry is not None:
+                raise KeyNotFoundError(f"{self.path}: {key!r} is a container, not a leaf; use store.load(select={key!r})")
+            near = closest(key, self._leaf_paths)
+            hint = f"; closest keys: {', '.join(map(repr, near))}" if near else ""
+            raise KeyNotFoundError(f"{self.path}: no key {key!r}{hint}")
+        return entry
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The user metadata given to save (a copy)."""
+        return dict(self._layout.metadata)
+
+    @property
+    def format_version(self) -> int | None:
+        """The tensorstore_h5 format version, or None for a foreign HDF5 file."""
+        return self._layout.version
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of tensor and array data (aliased tensors counted once)."""
+        return sum(_data_bytes(e) for e in self._layout.leaves)
+
+    # -- loading ------------------------------------------------------------------------
+
+    def items(self, select: Selector = None, device: Device = None) -> Iterator[tuple[str, Any]]:
+        """Yield ``(key path, value)`` for the selected leaves, one at a time, in saved order.
+
+        The store keeps no reference to what it yields, so memory falls as the caller drops
+        each tensor. Aliased tensors come back as the same object while it is alive.
+        """
+        included = resolve(select, self._leaf_paths, self._container_paths, self.path)
+        alive: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+        for entry in self._layout.leaves:
+            if entry.path in included:
+                yield entry.path, self._read_leaf(entry, alive, device)
+
+    def selected_keys(self, select: Selector = None) -> list[str]:
+        """The leaf key paths that ``select`` picks, in saved order (see :meth:`load`)."""
+        included = resolve(select, self._leaf_paths, self._container_paths, self.path)
+        return [p for p in self._leaf_paths if p in included]
+
+    def load(self, select: Selector = None, device: Device = None, progress: bool | None = None) -> Any:
+        """Load the selected leaves into the saved nesting (pruned to what was selected).
+
+        Args:
+            select: a glob, a list of exact keys or globs, or a callable on the key path.
+            device: where tensors go: None (CPU), a device, or a mapping / callable from key
+                path to device.
+            progress: progress bar by bytes (see :func:`tensorstore_h5.save`).
+
+        Raises:
+            KeyNotFoundError: an exact key in ``select`` is not in the file.
+            FormatError: data cannot be read.
+        """
+        included = resolve(select, self._leaf_paths, self._container_paths, self.path)
+        cache: dict[str, torch.Tensor] = {}
+        items: list[Container | Leaf] = []
+        bar = Progress(progress, desc=f"loading {os.path.basename(self.path)}")
+        bar.total(sum(_data_bytes(e) for e in self._layout.leaves if e.path in included))
+        try:
+            for entry in self._layout.entries:
+                if entry.path not in included:
+                    continue
+                if isinstance(entry, Container):
+                    items.append(entry)
+                else:
+                    items.append(Leaf(entry.path, entry.key, self._read_leaf(entry, cache, device)))
+                    bar.update(_data_bytes(entry))
+        finally:
+            bar.close()
+        return tree.inflate(items)
+
+    def _read_into(self, pairs: list[tuple[TensorHandle, torch.Tensor]], progress: bool | None) -> None:
+        """Fill each target from its handle (shapes and dtypes already checked)."""
+        bar = Progress(progress, desc=f"loading {os.path.basename(self.path)}")
+        bar.total(sum(h.nbytes for h, _ in pairs))
+        try:
+            for handle, target in pairs:
+                handle.read(out=target)
+                bar.update(handle.nbytes)
+        finally:
+            bar.close()
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _h5(self) -> h5py.File:
+        if self._file is None:
+            raise ValueError(f"{self.path}: the store is closed")
+        return self._file
+
+    def _dataset(self, entry: TensorEntry | ArrayEntry | ForeignEntry) -> h5py.Dataset:
+        try:
+            ds = self._h5()[entry.dataset]
+        except _H5_ERRORS as e:
+            raise FormatError(f"{self.path}: key {entry.path!r}: dataset {entry.dataset!r} is missing or unreadable ({e})") from e
+        if not isinstance(ds, h5py.Dataset):
+            raise FormatError(f"{self.path}: key {entry.path!r}: {entry.dataset!r} is not a dataset")
+        if entry.dataset not in self._checked and isinstance(entry, (TensorEntry, ArrayEntry)):
+            self._check_dataset(entry, ds)
+            self._checked.add(entry.dataset)
+        return ds
+
+    def _check_dataset(self, entry: TensorEntry | ArrayEntry, ds: h5py.Dataset) -> None:
+        try:
+            shape = ds.shape
+            dcpl = ds.id.get_create_plist()
+            ftype = ds.id.get_type()
+        except _H5_ERRORS as e:
+            raise FormatError(f"{self.path}: key {entry.path!r}: unreadable dataset header ({e})") from e
+        if shape != entry.shape:
+            raise FormatError(f"{self.path}: key {entry.path!r}: dataset shape {shape} does not match the layout's {entry.shape}")
+        if isinstance(entry, TensorEntry) and not entry.foreign and ftype != entry.dtype.h5_type:
+            raise FormatError(f"{self.path}: key {entry.path!r}: dataset type does not match torch dtype {entry.dtype.name}")
+        if dcpl.get_nfilters():
+            compression.ensure_plugins()
+
+    def _compression(self, entry: TensorEntry) -> dict[str, Any] | None:
+        return compression.describe(self._dataset(entry).id.get_create_plist())
+
+    def _read_leaf(self, entry: Any, cache: Any, device: Device) -> Any:
+        if isinstance(entry, ValueEntry):
+            return entry.value
+        if isinstance(entry, ForeignEntry):
+            raise FormatError(f"{self.path}: key {entry.path!r} cannot be loaded as a tensor: {entry.reason}")
+        if isinstance(entry, ArrayEntry):
+            ds = self._dataset(entry)
+            try:
+                return np.asarray(ds[()], dtype=entry.dtype)
+            except _H5_ERRORS as e:
+                raise FormatError(f"{self.path}: key {entry.path!r}: cannot read the dataset ({e})") from e
+        origin = entry.same_as or entry.path
+        t = cache.get(origin)
+        if t is None:
+            target = _device_for(device, entry.path)
+            sel = select_index((), entry.shape)
+            t = self._read_tensor(entry, sel, None, restore_layout=True)
+            if target is not None and torch.device(target) != t.device:
+                t = t.to(target)
+            if entry.requires_grad is not None:
+                t = torch.nn.Parameter(t, requires_grad=entry.requires_grad)
+            cache[origin] = t
+        return t
+
+    def _read_tensor(self, entry: TensorEntry, sel: Selection, out: torch.Tensor | None, restore_layout: bool) -> torch.Tensor:
+        dtype = entry.dtype.torch_dtype
+        if out is not None:
+            if tuple(out.shape) != sel.shape or out.dtype != dtype:
+                raise MismatchError(
+                    f"{self.path}: key {entry.path!r}: out has shape {tuple(out.shape)} and dtype {out.dtype}, "
+                    f"the selection needs {sel.shape} and {dtype}"
+                )
+        ds = self._dataset(entry)
+        if out is not None and out.device.type == "cpu" and out.is_contiguous():
+            dest = out
+        else:
+            dest = torch.empty(sel.shape, dtype=dtype)
+        if not sel.empty:
+            try:
+                io.read_hdf5(ds.id, entry.dtype.h5_type, dest, sel)
+            except _H5_ERRORS as e:
+                raise FormatError(f"{self.path}: key {entry.path!r}: cannot read the data ({e})") from e
+        if out is None:
+            if restore_layout and entry.stride is not None:
+                return io.restore_layout(dest, entry.stride)
+            return dest
+        if dest is not out:
+            with torch.no_grad():
+                bits_view(out).copy_(bits_view(dest))
+        return out
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the file (idempotent). Handles of a closed store cannot read."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    @property
+    def closed(self) -> bool:
+        return self._file is None
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        n_t = sum(1 for e in self._layout.leaves if isinstance(e, TensorEntry))
+        version = f"v{self._layout.version}" if self._layout.version else "foreign HDF5"
+        state = ", closed" if self._file is None else ""
+        return f"<tensorstore_h5.Store {self.path!r} ({version}, {len(self)} keys, {n_t} tensors, {_human(self.nbytes)}{state})>"
+
+
+def _data_bytes(entry: Any) -> int:
+    """Bytes a leaf reads from the file (0 for plain values and aliases)."""
+    if isinstance(entry, ArrayEntry) or (isinstance(entry, TensorEntry) and entry.same_as is None):
+        return entry.nbytes
+    return 0
+
+
+def _device_for(device: Device, path: str) -> Any:
+    if device is None or isinstance(device, (str, torch.device)):
+        return device
+    if callable(device):
+        return device(path)
+    import fnmatch
+
+    for pattern, dev in device.items():
+        if path == pattern or fnmatch.fnmatchcase(path, pattern):
+            return dev
+    return None
+
+
+def open_store(path: PathLike) -> Store:
+    """Open ``path`` read-only as a :class:`Store` (use it as a context manager)."""
+    return Store(path)

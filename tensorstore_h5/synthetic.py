@@ -1,0 +1,66 @@
+"""Synthetic transformer-like checkpoints for the demo, the benchmark, notebooks and tests."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+__all__ = ["transformer_state_dict", "optimizer_state", "checkpoint"]
+
+
+def transformer_state_dict(
+    layers: int = 4, width: int = 256, vocab: int = 1000, dtype: torch.dtype = torch.float32, seed: int = 0,
+    bf16_every: int = 0,
+) -> OrderedDict[str, torch.Tensor]:
+    """A GPT-style state dict: tied embeddings, per-layer attention/MLP weights, norms, buffers.
+
+    ``bf16_every=k`` stores every k-th layer's weights in bfloat16 (mixed-precision files).
+    Sizes: about ``layers * 12 * width**2 + vocab * width`` elements.
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.02).to(dt)
+
+    sd: OrderedDict[str, torch.Tensor] = OrderedDict()
+    sd["embed.weight"] = w(vocab, width)
+    for i in range(layers):
+        dt = torch.bfloat16 if bf16_every and i % bf16_every == bf16_every - 1 else dtype
+        p = f"layers.{i}."
+        sd[p + "attn.qkv.weight"] = w(3 * width, width, dt=dt)
+        sd[p + "attn.qkv.bias"] = torch.zeros(3 * width, dtype=dt)
+        sd[p + "attn.out.weight"] = w(width, width, dt=dt)
+        sd[p + "mlp.up.weight"] = w(4 * width, width, dt=dt)
+        sd[p + "mlp.down.weight"] = w(width, 4 * width, dt=dt)
+        sd[p + "norm1.weight"] = torch.ones(width, dtype=dt)
+        sd[p + "norm2.weight"] = torch.ones(width, dtype=dt)
+        sd[p + "attn.mask"] = torch.ones(16, 16, dtype=torch.bool).tril()
+    sd["norm.weight"] = torch.ones(width, dtype=dtype)
+    sd["head.weight"] = sd["embed.weight"]  # tied, stored once
+    return sd
+
+
+def optimizer_state(params: list[torch.Tensor], steps: int = 2, seed: int = 0) -> dict[str, Any]:
+    """An AdamW state dict after ``steps`` steps on random gradients (int keys, ``step`` tensors)."""
+    g = torch.Generator().manual_seed(seed)
+    leaves = [p.detach().float().clone().requires_grad_(True) for p in params]
+    opt = torch.optim.AdamW(leaves, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    for _ in range(steps):
+        for p in leaves:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return opt.state_dict()
+
+
+def checkpoint(layers: int = 4, width: int = 256, vocab: int = 1000, with_optimizer: bool = True, seed: int = 0) -> dict[str, Any]:
+    """A complete training checkpoint: model, optimizer state, step counters and config."""
+    model = transformer_state_dict(layers, width, vocab, seed=seed)
+    out: dict[str, Any] = {"model": model}
+    if with_optimizer:
+        unique = list({id(t): t for t in model.values() if t.is_floating_point()}.values())
+        out["optimizer"] = optimizer_state(unique, seed=seed)
+    out["epoch"] = 3
+    out["config"] = {"layers": layers, "width": width, "vocab": vocab, "dtype": torch.float32, "lr": 1e-3}
+    return out

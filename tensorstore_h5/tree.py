@@ -1,0 +1,244 @@
+"""Nested values <-> key paths, and the JSON encoding of non-tensor leaves. No pickle, no h5py.
+
+A *key path* joins the escaped keys of each nesting level with ``/``; it is the HDF5 path
+of the leaf. ``escape`` maps any ``str`` key to a valid HDF5 link name and ``unescape``
+inverts it exactly (see docs/FORMAT.md, "Keys").
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import re
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import UnsupportedTypeError
+
+__all__ = [
+    "escape", "unescape", "join", "split", "name_for_key", "encode_value", "decode_value",
+    "Leaf", "Container", "flatten", "inflate", "CONTAINER_TYPES",
+]
+
+EMPTY_NAME = "%"
+"""Link name of the empty-string key (a lone ``%`` is never produced otherwise)."""
+
+_SPECIAL = frozenset("%/\x00")
+_PERCENT = re.compile(r"%([0-9A-F]{2})")
+
+
+def escape(key: str) -> str:
+    """The HDF5 link name of a ``str`` key.
+
+    ``%``, ``/``, NUL and lone surrogates become ``%XX`` escapes of their UTF-8
+    (surrogatepass) bytes; the names ``.`` and ``..`` become ``%2E`` runs; the empty
+    string becomes ``%``. Everything else, unicode included, is kept as it is.
+    """
+    if key == "":
+        return EMPTY_NAME
+    if key in (".", ".."):
+        return "%2E" * len(key)
+    if not any(c in _SPECIAL or "\ud800" <= c <= "\udfff" for c in key):
+        return key
+    out = []
+    for c in key:
+        if c in _SPECIAL or "\ud800" <= c <= "\udfff":
+            out.append("".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass")))
+        else:
+            out.append(c)
+    return "".join(out)
+
+
+def unescape(name: str) -> str:
+    """Invert :func:`escape`. Raises ValueError for a name that ``escape`` cannot produce."""
+    if name == EMPTY_NAME:
+        return ""
+    parts: list[bytes] = []
+    pos = 0
+    for m in _PERCENT.finditer(name):
+        parts.append(name[pos:m.start()].encode("utf-8", "surrogatepass"))
+        parts.append(bytes([int(m.group(1), 16)]))
+        pos = m.end()
+    parts.append(name[pos:].encode("utf-8", "surrogatepass"))
+    try:
+        key = b"".join(parts).decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        raise ValueError(f"invalid escape in link name {name!r}") from None
+    if escape(key) != name:
+        raise ValueError(f"link name {name!r} is not in the escaped form that tensorstore_h5 writes")
+    return key
+
+
+def join(parent: str, name: str) -> str:
+    """The key path of child ``name`` under key path ``parent`` (the root is ``""``)."""
+    return f"{parent}/{name}" if parent else name
+
+
+def split(path: str) -> list[str]:
+    """The link names of a key path (``[]`` for the root)."""
+    return path.split("/") if path else []
+
+
+def name_for_key(key: Any, path: str) -> str:
+    """The link name of a dict key: escaped ``str`` keys; ``str()`` of int, float, bool, None."""
+    if type(key) is str:
+        return escape(key)
+    if key is None or type(key) in (int, float, bool):
+        return escape(str(key))
+    raise UnsupportedTypeError(
+        f"dict key {key!r} of type {type(key).__name__} under key path {path!r} cannot be stored; "
+        "use str, int, float, bool or None keys"
+    )
+
+
+_NP_KINDS = frozenset("biufc")
+
+
+def encode_value(value: Any, path: str) -> Any:
+    """The JSON form of a non-container, non-tensor leaf (see FORMAT.md, "Values").
+
+    Raises UnsupportedTypeError naming ``path`` for anything that cannot be stored exactly.
+    """
+    t = type(value)
+    if value is None or t is bool or t is int or t is str:
+        return value
+    if t is float:
+        return value if math.isfinite(value) else {"float": repr(value)}
+    if t is complex:
+        return {"complex": [encode_value(value.real, path), encode_value(value.imag, path)]}
+    if t is bytes:
+        return {"bytes": base64.b64encode(value).decode("ascii")}
+    if t is torch.dtype:
+        return {"torch.dtype": str(value).removeprefix("torch.")}
+    if t is torch.Size:
+        return {"torch.Size": list(value)}
+    if isinstance(value, np.generic) and t is type(value) and value.dtype.kind in _NP_KINDS and value.dtype.itemsize <= 16 \
+            and value.dtype != np.longdouble and value.dtype != np.clongdouble:
+        return {"numpy": value.dtype.str, "value": encode_value(value.item(), path)}
+    raise UnsupportedTypeError(
+        f"value of type {t.__module__}.{t.__qualname__} at key path {path!r} cannot be stored without pickle; "
+        "store tensors, numpy arrays, dict/list/tuple containers, or None/bool/int/float/complex/str/bytes"
+    )
+
+
+def decode_value(data: Any) -> Any:
+    """Invert :func:`encode_value`. Raises ValueError for JSON it cannot produce."""
+    if data is None or type(data) in (bool, int, float, str):
+        return data
+    if type(data) is dict and len(data) in (1, 2):
+        if len(data) == 1:
+            (tag, arg), = data.items()
+            if tag == "float" and arg in ("nan", "inf", "-inf"):
+                return float(arg)
+            if tag == "complex" and type(arg) is list and len(arg) == 2:
+                re_, im = (decode_value(a) for a in arg)
+                if type(re_) is float and type(im) is float:
+                    return complex(re_, im)
+            if tag == "bytes" and type(arg) is str:
+                return base64.b64decode(arg, validate=True)
+            if tag == "torch.dtype" and type(arg) is str and isinstance(getattr(torch, arg, None), torch.dtype):
+                return getattr(torch, arg)
+            if tag == "torch.Size" and type(arg) is list and all(type(n) is int for n in arg):
+                return torch.Size(arg)
+        elif set(data) == {"numpy", "value"} and type(data["numpy"]) is str:
+            dt = np.dtype(data["numpy"])
+            if dt.kind in _NP_KINDS:
+                return dt.type(decode_value(data["value"]))
+    raise ValueError(f"unrecognised value encoding {data!r}")
+
+
+CONTAINER_TYPES: dict[str, type] = {"dict": dict, "OrderedDict": OrderedDict, "list": list, "tuple": tuple}
+_TYPE_NAMES = {v: k for k, v in CONTAINER_TYPES.items()}
+
+
+@dataclass(frozen=True)
+class Container:
+    """A dict, OrderedDict, list or tuple at ``path``; ``key`` is its key in the parent dict
+    (None for list/tuple items and the root)."""
+
+    path: str
+    key: Any
+    type: str
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A tensor, numpy array or plain value at ``path``; ``key`` as for :class:`Container`."""
+
+    path: str
+    key: Any
+    value: Any
+
+
+def flatten(obj: Any, root: str = "", key: Any = None) -> list[Container | Leaf]:
+    """The containers and leaves of ``obj`` in pre-order, the order that ``inflate`` restores.
+
+    Validates everything: raises UnsupportedTypeError naming the key path of the first
+    value that cannot be stored, before anything is returned.
+    """
+    out: list[Container | Leaf] = []
+    _flatten(obj, root, key, out, set())
+    return out
+
+
+def _flatten(obj: Any, path: str, key: Any, out: list[Container | Leaf], active: set[int]) -> None:
+    t = type(obj)
+    if t in _TYPE_NAMES:
+        if id(obj) in active:
+            raise UnsupportedTypeError(f"the value at key path {path!r} contains itself; cycles cannot be stored")
+        active.add(id(obj))
+        out.append(Container(path, key, _TYPE_NAMES[t]))
+        if isinstance(obj, dict):
+            seen: dict[str, Any] = {}
+            for k, v in obj.items():
+                name = name_for_key(k, path)
+                if name in seen:
+                    raise UnsupportedTypeError(
+                        f"dict keys {seen[name]!r} and {k!r} under key path {path!r} both map to the name {name!r}"
+                    )
+                seen[name] = k
+                _flatten(v, join(path, name), k, out, active)
+        else:
+            for i, v in enumerate(obj):
+                _flatten(v, join(path, str(i)), None, out, active)
+        active.discard(id(obj))
+    elif isinstance(obj, torch.Tensor):
+        out.append(Leaf(path, key, obj))
+    elif t is np.ndarray:
+        out.append(Leaf(path, key, obj))
+    else:
+        encode_value(obj, path)  # validates
+        out.append(Leaf(path, key, obj))
+
+
+def inflate(items: Iterable[Container | Leaf]) -> Any:
+    """Rebuild the nested value from pre-order containers and leaves whose values are
+    already materialised. Children are placed in the order given; absent siblings are
+    simply left out (pruned selections). Returns None when there are no items."""
+    children: dict[str, list[tuple[Any, Any]]] = {}
+    types: dict[str, str] = {}
+    for item in items:
+        if item.path == "" and isinstance(item, Leaf):
+            return item.value
+        if isinstance(item, Container):
+            types[item.path] = item.type
+            children[item.path] = []
+        if item.path:
+            value = _Pending(item.path) if isinstance(item, Container) else item.value
+            children[item.path.rpartition("/")[0]].append((item.key, value))
+    built: dict[str, Any] = {}
+    for path in reversed(types):  # pre-order reversed: descendants before ancestors
+        pairs = [(k, built.pop(v.path) if isinstance(v, _Pending) else v) for k, v in children[path]]
+        cls = CONTAINER_TYPES[types[path]]
+        built[path] = cls(v for _, v in pairs) if cls in (list, tuple) else cls(pairs)
+    return built.get("")
+
+
+@dataclass(frozen=True)
+class _Pending:
+    path: str

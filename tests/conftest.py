@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("ci", derandomize=True, max_examples=60, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+settings.register_profile("dev", max_examples=60, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+warnings.filterwarnings("ignore", "ComplexHalf support is experimental")
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """Each test that takes it runs on the CPU and, where present, on CUDA."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("CUDA is not available")
+    return torch.device(request.param)

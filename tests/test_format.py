@@ -1,0 +1,179 @@
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+import tensorstore_h5 as th5
+from tensorstore_h5 import format as fmt
+
+from data.make_v1 import golden
+from helpers import assert_same, bits
+
+GOLDEN = Path(__file__).parent / "data" / "v1.h5"
+
+
+def _structure(path: Path) -> dict:
+    """Every object name with its attributes and HDF5 type, plus the root attributes."""
+    out = {}
+    with h5py.File(path) as f:
+        def visit(name, obj):
+            attrs = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in obj.attrs.items()}
+            out[name] = (type(obj).__name__, attrs, str(obj.dtype) if isinstance(obj, h5py.Dataset) else None,
+                         obj.shape if isinstance(obj, h5py.Dataset) else None)
+        f.visititems(visit)
+        out["/"] = {k: f.attrs[k] for k in f.attrs}
+    return out
+
+
+def test_golden_v1_file_loads() -> None:
+    with th5.open(GOLDEN) as s:
+        assert s.format_version == 1 and s.metadata == {"note": "golden v1"}
+    out = th5.load(GOLDEN)
+    assert_same(out, golden())
+    assert out["model"]["embed.weight"] is out["model"]["head.weight"]
+
+
+def test_fresh_save_matches_golden_layout(tmp_path) -> None:
+    th5.save(golden(), tmp_path / "new.h5", metadata={"note": "golden v1"})
+    assert _structure(tmp_path / "new.h5") == _structure(GOLDEN)
+
+
+def test_golden_file_is_readable_with_plain_h5py() -> None:
+    """What docs/FORMAT.md promises to a reader without tensorstore_h5."""
+    with h5py.File(GOLDEN) as f:
+        assert f.attrs["tensorstore_h5.format"] == "tensorstore_h5" and f.attrs["tensorstore_h5.version"] == 1
+        layout = json.loads(f.attrs["tensorstore_h5.layout"])
+        entries = {e["path"]: e for e in layout["entries"]}
+        assert entries["model/head.weight"]["same_as"] == "model/embed.weight"
+        assert entries["optim/state/0"]["key"] == 0
+        enc = f["model/enc.0.weight"]
+        assert list(enc.attrs["stride"]) == [1, 3] and enc.attrs["torch_dtype"] == "float32"
+        np.testing.assert_array_equal(enc[()], golden()["model"]["enc.0.weight"].numpy())
+        assert f["model/enc.0.bias"].dtype == np.float32  # bfloat16 as an HDF5 float type: real numbers
+        assert "keys/a%2Fb" in entries and "keys/%" in entries and "keys/%2E%2E" in entries
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda f: f.attrs.__setitem__(fmt.ATTR_VERSION, 2), "newer"),
+    (lambda f: f.attrs.__setitem__(fmt.ATTR_VERSION, "one"), "damaged root attribute"),
+    (lambda f: f.attrs.__setitem__(fmt.ATTR_FORMAT, "other"), "expected 'tensorstore_h5'"),
+    (lambda f: f.attrs.__delitem__(fmt.ATTR_LAYOUT), "incomplete file"),
+    (lambda f: f.attrs.__setitem__(fmt.ATTR_LAYOUT, "{not json"), "not valid JSON"),
+    (lambda f: f.attrs.__setitem__(fmt.ATTR_LAYOUT, '{"entries": []}'), "no entries"),
+    (lambda f: f.attrs.__setitem__(fmt.ATTR_METADATA, "[1]"), "metadata"),
+])
+def test_damaged_root_attributes_raise_format_error(tmp_path, mutate, match) -> None:
+    path = tmp_path / "d.h5"
+    shutil.copy(GOLDEN, path)
+    with h5py.File(path, "r+") as f:
+        mutate(f)
+    with pytest.raises(th5.FormatError, match=f"d.h5.*{match}"):
+        th5.load(path)
+
+
+def _edit_entry(file: Path, key: str, changes: dict) -> None:
+    with h5py.File(file, "r+") as f:
+        layout = json.loads(f.attrs[fmt.ATTR_LAYOUT])
+        for e in layout["entries"]:
+            if e["path"] == key:
+                e.update(changes)
+        f.attrs[fmt.ATTR_LAYOUT] = json.dumps(layout)
+
+
+@pytest.mark.parametrize("key, changes, match", [
+    ("model/head.weight", {"dtype": "float128"}, "unknown torch dtype"),
+    ("model/head.weight", {"shape": [-1]}, "invalid shape"),
+    ("model/mask", {"shape": [6, 5]}, "'model/mask'.*does not match"),
+    ("model/mask", {"dtype": "float32"}, "'model/mask'.*type does not match"),
+    ("model/head.weight", {"stride": [1]}, "stride and shape"),
+    ("model/head.weight", {"type": "pickle"}, "unknown entry type"),
+    ("model/head.weight", {"same_as": "model/mask"}, "same_as"),
+    ("model/head.weight", {"extra": 1}, "unexpected fields"),
+    ("model/head.weight", {"path": "nowhere/x"}, "parent"),
+    ("optim/state/0", {"key": "0"}, "does not match name"),
+    ("values/1", {"value": {"pickle": "x"}}, "unrecognised value"),
+])
+def test_damaged_entries_name_file_and_key(tmp_path, key, changes, match) -> None:
+    path = tmp_path / "d.h5"
+    shutil.copy(GOLDEN, path)
+    _edit_entry(path, key, changes)
+    with pytest.raises(th5.FormatError, match=f"d.h5.*{match}"):
+        th5.load(path)
+
+
+def test_missing_dataset_names_the_key(tmp_path) -> None:
+    path = tmp_path / "d.h5"
+    shutil.copy(GOLDEN, path)
+    with h5py.File(path, "r+") as f:
+        del f["model/mask"]
+    with th5.open(path) as s:
+        assert torch.equal(s["model/embed.weight"].read(), golden()["model"]["embed.weight"])
+        with pytest.raises(th5.FormatError, match="d.h5.*'model/mask'"):
+            s["model/mask"].read()
+
+
+def test_not_hdf5_and_truncated_files(tmp_path) -> None:
+    junk = tmp_path / "junk.h5"
+    junk.write_bytes(b"PK\x03\x04 definitely not hdf5" * 10)
+    with pytest.raises(th5.FormatError, match="junk.h5.*not a readable HDF5 file"):
+        th5.open(junk)
+    data = GOLDEN.read_bytes()
+    for cut in (len(data) // 2, 600, 100):
+        trunc = tmp_path / f"trunc{cut}.h5"
+        trunc.write_bytes(data[:cut])
+        with pytest.raises(th5.TensorStoreError, match=f"trunc{cut}.h5"):
+            th5.load(trunc)
+    with pytest.raises(FileNotFoundError):
+        th5.open(tmp_path / "absent.h5")
+
+
+def test_big_data_truncated_reports_key(tmp_path) -> None:
+    path = tmp_path / "big.h5"
+    th5.save({"small": torch.ones(2), "w": torch.randn(256, 1024)}, path)
+    data = path.read_bytes()
+    with h5py.File(path) as f:
+        offset = f["w"].id.get_offset()
+    path.write_bytes(data[: offset + 1000] + b"\0" * 0)
+    with pytest.raises(th5.TensorStoreError, match="big.h5"):
+        with th5.open(path) as s:
+            s["w"].read()
+
+
+def test_loading_never_unpickles(tmp_path, monkeypatch) -> None:
+    import pickle
+
+    def boom(*a, **k):
+        raise AssertionError("pickle used")
+
+    monkeypatch.setattr(pickle, "loads", boom)
+    monkeypatch.setattr(pickle, "load", boom)
+    monkeypatch.setattr(pickle, "Unpickler", boom)
+    monkeypatch.setattr(pickle, "dumps", boom)
+    th5.save(golden(), tmp_path / "g.h5")
+    assert_same(th5.load(tmp_path / "g.h5"), golden())
+
+
+def _doc_example() -> dict:
+    """The h5py-only reader printed in docs/FORMAT.md, executed as written."""
+    text = (Path(__file__).parents[1] / "docs" / "FORMAT.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "FORMAT.md", "exec"), namespace)
+    return namespace
+
+
+def test_format_doc_reader_reads_the_golden_file() -> None:
+    plain = _doc_example()["read_plain"](GOLDEN)
+    ref = golden()
+    for key, t in [("model/embed.weight", ref["model"]["embed.weight"]), ("model/enc.0.bias", ref["model"]["enc.0.bias"]),
+                   ("model/fp8", ref["model"]["fp8"]), ("model/mask", ref["model"]["mask"]),
+                   ("optim/state/0/step", ref["optim"]["state"][0]["step"])]:
+        assert plain[key].dtype == t.dtype and torch.equal(bits(plain[key]), bits(t)), key
+    assert plain["model/enc.0.weight"].stride() == (1, 3)
+    assert plain["values/6"] == "text" and plain["values/2"] == 2**70

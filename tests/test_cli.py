@@ -1,0 +1,53 @@
+"""The command line, run as a user would: in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import tensorstore_h5 as th5
+
+GOLDEN = Path(__file__).parent / "data" / "v1.h5"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tensorstore_h5", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_demo_runs_and_checks_itself() -> None:
+    r = run("demo", "--layers", "2", "--width", "64")
+    assert r.returncode == 0, r.stderr
+    assert "bitwise equal: True" in r.stdout and r.stdout.strip().endswith("demo OK")
+
+
+def test_ls_and_info_json() -> None:
+    r = run("ls", str(GOLDEN), "model/*", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = {row["key"]: row for row in json.loads(r.stdout)}
+    assert rows["model/head.weight"]["same_as"] == "model/embed.weight"
+    assert rows["model/enc.0.bias"]["dtype"] == "bfloat16" and all(k.startswith("model/") for k in rows)
+    r = run("info", str(GOLDEN), "--json")
+    info = json.loads(r.stdout)
+    assert info["format_version"] == 1 and info["metadata"] == {"note": "golden v1"} and info["tensors"] == 9
+
+
+def test_ls_text_and_verify(tmp_path) -> None:
+    th5.save({"w": torch.zeros(3, 4), "n": 5}, tmp_path / "f.h5")
+    r = run("ls", str(tmp_path / "f.h5"))
+    assert r.returncode == 0 and "w" in r.stdout and "[3, 4]" in r.stdout and "int" in r.stdout
+    r = run("verify", str(tmp_path / "f.h5"))
+    assert r.returncode == 0 and "OK, 2 keys" in r.stdout
+
+
+def test_user_errors_exit_nonzero_without_traceback(tmp_path) -> None:
+    bad = tmp_path / "bad.h5"
+    bad.write_text("not hdf5")
+    for args in (("info", str(bad)), ("ls", str(tmp_path / "missing.h5"))):
+        r = run(*args)
+        assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.startswith("tensorstore-h5: error:")
+    r = run("frobnicate")
+    assert r.returncode == 2

@@ -1,0 +1,22 @@
+"""The README's examples run as written."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+def _python_blocks(text: str) -> list[str]:
+    return [block.split("```", 1)[0] for block in text.split("```python\n")[1:]]
+
+
+def test_readme_quick_tour_runs(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    blocks = _python_blocks(README.read_text())
+    assert blocks
+    for code in blocks:
+        code = code.replace("        ...\n", "        assert t is not None\n")
+        exec(compile(code, "README.md", "exec"), {})
+    assert sorted(os.listdir(tmp_path)) == ["big.h5", "ckpt.h5"]

@@ -19,7 +19,8 @@ __all__ = ["load", "load_into", "LoadResult"]
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-def load(path: PathLike, *, select: Selector = None, device: Device = None, progress: bool | None = None) -> Any:
+def load(path: PathLike, *, select: Selector = None, device: Device = None, progress: bool | None = None,
+         mmap: bool = False) -> Any:
     """Load a file (or the selected part of it) back into its saved nesting.
 
     Example::
@@ -33,13 +34,15 @@ def load(path: PathLike, *, select: Selector = None, device: Device = None, prog
             callable ``key_path -> bool``. Exact keys may name a container (its whole subtree).
         device: None (CPU), a device, or a mapping (key path or glob -> device) or callable.
         progress: see :func:`tensorstore_h5.save`.
+        mmap: tensors backed by the file's pages (copy-on-write) where the data allows, see
+            :meth:`Store.load`.
 
     Raises:
         KeyNotFoundError: an exact key in ``select`` is not in the file (a KeyError).
         FormatError: the file is not readable as a checkpoint.
     """
     with Store(path) as store:
-        return store.load(select=select, device=device, progress=progress)
+        return store.load(select=select, device=device, progress=progress, mmap=mmap)
 
 
 class LoadResult(NamedTuple):

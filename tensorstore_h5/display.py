@@ -46,6 +46,11 @@ class Progress:
         if wanted and self._bar is None:
             self._start(nbytes)
 
+    @property
+    def silent(self) -> bool:
+        """True when no bar is shown (work can then be batched without progress updates)."""
+        return self._bar is None and not self._enabled
+
     def update(self, nbytes: int) -> None:
         """Count ``nbytes`` more bytes done."""
         if self._bar is None and self._enabled and self._total is None:

@@ -1,13 +1,22 @@
 """Byte movement between HDF5 datasets and tensor memory.
 
 Reads land straight in the caller's (or a freshly allocated) tensor: no intermediate numpy
-array, no second copy. Writes go straight from the tensor's memory; non-contiguous or
-non-CPU tensors are written in row blocks of at most ``BLOCK_BYTES`` extra memory.
+array, no second copy. Contiguous, unfiltered datasets skip HDF5 altogether: their byte
+range (``DatasetID.get_offset()``) is read with ``os.preadv`` by a small thread pool, which
+releases the GIL, and fresh outputs ask the kernel for transparent huge pages, so page faults
+stop dominating. Everything else goes through HDF5's own read. Writes go straight from the
+tensor's memory; non-contiguous or non-CPU tensors are written in row blocks of at most
+``BLOCK_BYTES`` extra memory.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import h5py
 import numpy as np
@@ -16,10 +25,157 @@ import torch
 from .dtypes import bits_view
 from .slicing import Selection, rows
 
-__all__ = ["BLOCK_BYTES", "tensor_bytes", "read_hdf5", "write_hdf5", "write_tensor", "row_blocks", "restore_layout"]
+__all__ = [
+    "BLOCK_BYTES", "IO_THREADS", "PIECE_BYTES", "HUGEPAGE_MIN_BYTES", "tensor_bytes", "empty", "read_hdf5",
+    "write_hdf5", "write_tensor", "row_blocks", "restore_layout", "raw_offset", "RawFile", "ReadPlan",
+]
 
 BLOCK_BYTES = 64 * 2**20
 """Largest extra buffer (bytes) a write of a non-contiguous or device tensor holds at once."""
+
+IO_THREADS = max(1, min(8, os.cpu_count() or 1))
+"""Threads that read byte ranges in parallel."""
+
+PIECE_BYTES = 8 * 2**20
+"""Byte ranges are split into pieces of this size so that the threads share large tensors."""
+
+HUGEPAGE_MIN_BYTES = 4 * 2**20
+"""Fresh outputs of at least this many bytes are advised to use transparent huge pages."""
+
+_MADV_HUGEPAGE = 14
+_HUGE = 2 * 2**20
+
+
+def _libc_madvise() -> object | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _libc_madvise() if hasattr(os, "preadv") else None
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty`` on the CPU, asking for transparent huge pages when it is large.
+
+    Fresh memory costs a page fault per 4 KiB page on first touch; with huge pages the same
+    read into a new tensor runs about 3x faster (see bench). Advice only: no effect where the
+    kernel does not offer huge pages.
+    """
+    t = torch.empty(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if _madvise is not None and nbytes >= HUGEPAGE_MIN_BYTES:
+        start = (t.data_ptr() + _HUGE - 1) & ~(_HUGE - 1)
+        stop = (t.data_ptr() + nbytes) & ~(_HUGE - 1)
+        if stop > start:
+            _madvise(start, stop - start, _MADV_HUGEPAGE)  # type: ignore[operator]
+    return t
+
+
+def raw_offset(dsid: h5py.h5d.DatasetID, mtype: h5py.h5t.TypeID) -> int | None:
+    """The file offset of a dataset's bytes when they can be read raw: contiguous layout, no
+    filters, allocated, and stored in exactly ``mtype``. None otherwise."""
+    dcpl = dsid.get_create_plist()
+    if dcpl.get_layout() != h5py.h5d.CONTIGUOUS or dcpl.get_nfilters() or dsid.get_type() != mtype:
+        return None
+    if dcpl.get_external_count():
+        return None
+    return dsid.get_offset()
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="tensorstore_h5-io")
+        return _pool
+
+
+class RawFile:
+    """Positional reads of one file's bytes straight into tensor memory, and its mapping."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.size = os.path.getsize(path)
+        self._fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+
+    def pread(self, offset: int, view: memoryview) -> None:
+        """Fill ``view`` with the bytes at ``offset``. Raises EOFError past the end of the file."""
+        if self._fd is None:
+            raise ValueError(f"{self.path}: closed")
+        done, n = 0, len(view)
+        while done < n:
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got == 0:
+                raise EOFError(f"{self.path}: file ends at byte {offset + done}, {n - done} bytes short (truncated?)")
+            done += got
+
+    def mapped(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor backed by the file's pages through its own private mapping: copy-on-write,
+        so writes stay in this tensor's memory and reach neither the file nor other tensors."""
+        if offset + nbytes > self.size:
+            raise EOFError(f"{self.path}: file ends before byte {offset + nbytes} (truncated?)")
+        if self._fd is None:
+            raise ValueError(f"{self.path}: closed")
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(self._fd, nbytes + offset - start, offset=start, access=mmap.ACCESS_COPY)
+        flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset - start)
+        return flat.view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        """Close the descriptor. Mapped tensors stay valid (the mapping lives while they do)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class ReadPlan:
+    """Byte ranges to read into tensors, run together by the thread pool.
+
+    Large ranges are split into :data:`PIECE_BYTES` pieces and small ones grouped, so both
+    cores share the page faults and copies of a full load.
+    """
+
+    def __init__(self, raw: RawFile) -> None:
+        self._raw = raw
+        self._tasks: list[list[tuple[int, memoryview]]] = [[]]
+        self._pending = 0
+        self.nbytes = 0
+
+    def add(self, offset: int, out: torch.Tensor) -> None:
+        """Read ``out.nbytes`` bytes at ``offset`` into the contiguous CPU tensor ``out``."""
+        view = memoryview(tensor_bytes(out)) if out.numel() else memoryview(b"")
+        for start in range(0, len(view), PIECE_BYTES):
+            piece = view[start:start + PIECE_BYTES]
+            self._tasks[-1].append((offset + start, piece))
+            self._pending += len(piece)
+            if self._pending >= PIECE_BYTES:
+                self._tasks.append([])
+                self._pending = 0
+        self.nbytes += len(view)
+
+    def _run_task(self, task: list[tuple[int, memoryview]]) -> None:
+        for offset, view in task:
+            self._raw.pread(offset, view)
+
+    def run(self) -> None:
+        """Do every read; raises the first error (EOFError, OSError)."""
+        tasks = [t for t in self._tasks if t]
+        self._tasks, self._pending = [[]], 0
+        if len(tasks) <= 1 or IO_THREADS == 1:
+            for task in tasks:
+                self._run_task(task)
+            return
+        for future in [_executor().submit(self._run_task, t) for t in tasks]:
+            future.result()
 
 
 def tensor_bytes(t: torch.Tensor) -> np.ndarray:

@@ -85,7 +85,7 @@ class TensorHandle:
     def __getitem__(self, index: Any) -> torch.Tensor:
         return self.read(index=index)
 
-    def read(self, out: torch.Tensor | None = None, *, index: Any = None) -> torch.Tensor:
+    def read(self, out: torch.Tensor | None = None, *, index: Any = None, mmap: bool = False) -> torch.Tensor:
         """Read the tensor, or the part selected by ``index``, into ``out`` or a new tensor.
 
         Args:
@@ -93,6 +93,8 @@ class TensorHandle:
                 (checked before any I/O). Without it a new CPU tensor is returned; a full
                 read restores the saved stride.
             index: what ``h[index]`` would take: integers, slices (positive step), ``...``.
+            mmap: return a tensor backed by the file's pages (copy-on-write) when the dataset
+                is contiguous, uncompressed and row-major; otherwise read as usual.
 
         Returns:
             ``out``, or the new tensor.
@@ -103,6 +105,12 @@ class TensorHandle:
             FormatError: the dataset cannot be read (damaged or truncated file).
         """
         sel = select_index(() if index is None else index, self._entry.shape)
+        if mmap:
+            if out is not None or index is not None:
+                raise ValueError("read(mmap=True) maps the whole tensor; it takes no out or index")
+            mapped = self._store._mapped(self._entry)
+            if mapped is not None:
+                return mapped
         return self._store._read_tensor(self._entry, sel, out, restore_layout=index is None)
 
     def __repr__(self) -> str:
@@ -151,7 +159,8 @@ class Store:
         leaves = self._layout.leaves
         self._leaf_paths = [e.path for e in leaves]
         self._container_paths = [e.path for e in self._layout.entries if isinstance(e, Container) and e.path]
-        self._checked: set[str] = set()
+        self._offsets: dict[str, int | None] = {}  # dataset -> raw byte offset, once checked
+        self._raw: io.RawFile | None = None
 
     # -- mapping-like view ---------------------------------------------------------------
 
@@ -177,7 +186,7 @@ class Store:
         entry = self._entry(key)
         if isinstance(entry, TensorEntry):
             return TensorHandle(self, entry)
-        return self._read_leaf(entry, {}, None)
+        return self._read_leaf(entry, {}, None, False, None)
 
     def _entry(self, key: str) -> Any:
         entry = self._layout.by_path.get(key)
@@ -206,24 +215,26 @@ class Store:
 
     # -- loading ------------------------------------------------------------------------
 
-    def items(self, select: Selector = None, device: Device = None) -> Iterator[tuple[str, Any]]:
+    def items(self, select: Selector = None, device: Device = None, *, mmap: bool = False) -> Iterator[tuple[str, Any]]:
         """Yield ``(key path, value)`` for the selected leaves, one at a time, in saved order.
 
         The store keeps no reference to what it yields, so memory falls as the caller drops
         each tensor. Aliased tensors come back as the same object while it is alive.
+        ``device`` and ``mmap`` are as for :meth:`load`.
         """
         included = resolve(select, self._leaf_paths, self._container_paths, self.path)
         alive: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
         for entry in self._layout.leaves:
             if entry.path in included:
-                yield entry.path, self._read_leaf(entry, alive, device)
+                yield entry.path, self._read_leaf(entry, alive, device, mmap, None)
 
     def selected_keys(self, select: Selector = None) -> list[str]:
         """The leaf key paths that ``select`` picks, in saved order (see :meth:`load`)."""
         included = resolve(select, self._leaf_paths, self._container_paths, self.path)
         return [p for p in self._leaf_paths if p in included]
 
-    def load(self, select: Selector = None, device: Device = None, progress: bool | None = None) -> Any:
+    def load(self, select: Selector = None, device: Device = None, progress: bool | None = None, *,
+             mmap: bool = False) -> Any:
         """Load the selected leaves into the saved nesting (pruned to what was selected).
 
         Args:
@@ -231,6 +242,9 @@ class Store:
             device: where tensors go: None (CPU), a device, or a mapping / callable from key
                 path to device.
             progress: progress bar by bytes (see :func:`tensorstore_h5.save`).
+            mmap: return tensors backed by the file's pages (zero-copy, copy-on-write: writes
+                to them never reach the file) for contiguous uncompressed datasets saved
+                row-major; other tensors are read as usual.
 
         Raises:
             KeyNotFoundError: an exact key in ``select`` is not in the file.
@@ -241,6 +255,7 @@ class Store:
         items: list[Container | Leaf] = []
         bar = Progress(progress, desc=f"loading {os.path.basename(self.path)}")
         bar.total(sum(_data_bytes(e) for e in self._layout.leaves if e.path in included))
+        plan = io.ReadPlan(self._rawfile()) if bar.silent else None  # one batch for both cores
         try:
             for entry in self._layout.entries:
                 if entry.path not in included:
@@ -248,20 +263,32 @@ class Store:
                 if isinstance(entry, Container):
                     items.append(entry)
                 else:
-                    items.append(Leaf(entry.path, entry.key, self._read_leaf(entry, cache, device)))
+                    items.append(Leaf(entry.path, entry.key, self._read_leaf(entry, cache, device, mmap, plan)))
                     bar.update(_data_bytes(entry))
+            if plan is not None:
+                self._run(plan)
         finally:
             bar.close()
         return tree.inflate(items)
 
     def _read_into(self, pairs: list[tuple[TensorHandle, torch.Tensor]], progress: bool | None) -> None:
-        """Fill each target from its handle (shapes and dtypes already checked)."""
+        """Fill each target from its handle (shapes and dtypes already checked).
+
+        Every dataset is checked first (type, shape, byte range inside the file), so a
+        damaged or truncated file is refused before any target changes.
+        """
+        for handle, _ in pairs:
+            self._dataset(handle._entry)
         bar = Progress(progress, desc=f"loading {os.path.basename(self.path)}")
         bar.total(sum(h.nbytes for h, _ in pairs))
+        plan = io.ReadPlan(self._rawfile()) if bar.silent else None
         try:
             for handle, target in pairs:
-                handle.read(out=target)
+                sel = select_index((), handle._entry.shape)
+                self._read_tensor(handle._entry, sel, target, restore_layout=False, plan=plan)
                 bar.update(handle.nbytes)
+            if plan is not None:
+                self._run(plan)
         finally:
             bar.close()
 
@@ -272,6 +299,18 @@ class Store:
             raise ValueError(f"{self.path}: the store is closed")
         return self._file
 
+    def _rawfile(self) -> io.RawFile:
+        self._h5()
+        if self._raw is None:
+            self._raw = io.RawFile(self.path)
+        return self._raw
+
+    def _run(self, plan: io.ReadPlan) -> None:
+        try:
+            plan.run()
+        except (OSError, EOFError) as e:
+            raise FormatError(f"{self.path}: cannot read tensor data: {e}") from e
+
     def _dataset(self, entry: TensorEntry | ArrayEntry | ForeignEntry) -> h5py.Dataset:
         try:
             ds = self._h5()[entry.dataset]
@@ -279,29 +318,36 @@ class Store:
             raise FormatError(f"{self.path}: key {entry.path!r}: dataset {entry.dataset!r} is missing or unreadable ({e})") from e
         if not isinstance(ds, h5py.Dataset):
             raise FormatError(f"{self.path}: key {entry.path!r}: {entry.dataset!r} is not a dataset")
-        if entry.dataset not in self._checked and isinstance(entry, (TensorEntry, ArrayEntry)):
-            self._check_dataset(entry, ds)
-            self._checked.add(entry.dataset)
+        if entry.dataset not in self._offsets and isinstance(entry, (TensorEntry, ArrayEntry)):
+            self._offsets[entry.dataset] = self._check_dataset(entry, ds)
         return ds
 
-    def _check_dataset(self, entry: TensorEntry | ArrayEntry, ds: h5py.Dataset) -> None:
+    def _check_dataset(self, entry: TensorEntry | ArrayEntry, ds: h5py.Dataset) -> int | None:
+        """Check a dataset against its entry once; return its raw byte offset (or None)."""
         try:
             shape = ds.shape
             dcpl = ds.id.get_create_plist()
             ftype = ds.id.get_type()
+            offset = io.raw_offset(ds.id, entry.dtype.h5_type) if isinstance(entry, TensorEntry) else None
         except _H5_ERRORS as e:
             raise FormatError(f"{self.path}: key {entry.path!r}: unreadable dataset header ({e})") from e
         if shape != entry.shape:
             raise FormatError(f"{self.path}: key {entry.path!r}: dataset shape {shape} does not match the layout's {entry.shape}")
         if isinstance(entry, TensorEntry) and not entry.foreign and ftype != entry.dtype.h5_type:
             raise FormatError(f"{self.path}: key {entry.path!r}: dataset type does not match torch dtype {entry.dtype.name}")
+        if offset is not None and offset + entry.nbytes > self._rawfile().size:
+            raise FormatError(
+                f"{self.path}: key {entry.path!r}: data ends at byte {offset + entry.nbytes}, past the end of the "
+                f"file ({self._rawfile().size} bytes): truncated file"
+            )
         if dcpl.get_nfilters():
             compression.ensure_plugins()
+        return offset
 
     def _compression(self, entry: TensorEntry) -> dict[str, Any] | None:
         return compression.describe(self._dataset(entry).id.get_create_plist())
 
-    def _read_leaf(self, entry: Any, cache: Any, device: Device) -> Any:
+    def _read_leaf(self, entry: Any, cache: Any, device: Device, mmap: bool, plan: io.ReadPlan | None) -> Any:
         if isinstance(entry, ValueEntry):
             return entry.value
         if isinstance(entry, ForeignEntry):
@@ -316,38 +362,64 @@ class Store:
         t = cache.get(origin)
         if t is None:
             target = _device_for(device, entry.path)
-            sel = select_index((), entry.shape)
-            t = self._read_tensor(entry, sel, None, restore_layout=True)
-            if target is not None and torch.device(target) != t.device:
+            on_cpu = target is None or torch.device(target).type == "cpu"
+            t = self._mapped(entry) if mmap and on_cpu else None
+            if t is None:
+                sel = select_index((), entry.shape)
+                t = self._read_tensor(entry, sel, None, restore_layout=True, plan=plan if on_cpu else None)
+            if not on_cpu:
                 t = t.to(target)
             if entry.requires_grad is not None:
                 t = torch.nn.Parameter(t, requires_grad=entry.requires_grad)
             cache[origin] = t
         return t
 
-    def _read_tensor(self, entry: TensorEntry, sel: Selection, out: torch.Tensor | None, restore_layout: bool) -> torch.Tensor:
+    def _mapped(self, entry: TensorEntry) -> torch.Tensor | None:
+        """A file-backed tensor for a row-major, contiguous, unfiltered dataset, else None."""
+        self._dataset(entry)
+        offset = self._offsets.get(entry.dataset)
+        if offset is None or entry.stride is not None or entry.numel == 0:
+            return None
+        try:
+            return self._rawfile().mapped(offset, entry.nbytes, entry.dtype.torch_dtype, entry.shape)
+        except (OSError, EOFError, ValueError) as e:
+            raise FormatError(f"{self.path}: key {entry.path!r}: cannot map the data ({e})") from e
+
+    def _read_tensor(self, entry: TensorEntry, sel: Selection, out: torch.Tensor | None, restore_layout: bool,
+                     plan: io.ReadPlan | None = None) -> torch.Tensor:
+        """Read ``sel`` of ``entry`` into ``out`` (checked first) or a new tensor.
+
+        With ``plan``, raw reads are only queued: the caller runs the plan before using the
+        result (only for results that need no copy afterwards).
+        """
         dtype = entry.dtype.torch_dtype
-        if out is not None:
-            if tuple(out.shape) != sel.shape or out.dtype != dtype:
-                raise MismatchError(
-                    f"{self.path}: key {entry.path!r}: out has shape {tuple(out.shape)} and dtype {out.dtype}, "
-                    f"the selection needs {sel.shape} and {dtype}"
-                )
+        if out is not None and (tuple(out.shape) != sel.shape or out.dtype != dtype):
+            raise MismatchError(
+                f"{self.path}: key {entry.path!r}: out has shape {tuple(out.shape)} and dtype {out.dtype}, "
+                f"the selection needs {sel.shape} and {dtype}"
+            )
         ds = self._dataset(entry)
-        if out is not None and out.device.type == "cpu" and out.is_contiguous():
-            dest = out
-        else:
-            dest = torch.empty(sel.shape, dtype=dtype)
+        direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
+        dest = out if direct else io.empty(sel.shape, dtype)
+        post = (out is not None and not direct) or (out is None and restore_layout and entry.stride is not None)
         if not sel.empty:
-            try:
-                io.read_hdf5(ds.id, entry.dtype.h5_type, dest, sel)
-            except _H5_ERRORS as e:
-                raise FormatError(f"{self.path}: key {entry.path!r}: cannot read the data ({e})") from e
+            offset = self._offsets.get(entry.dataset)
+            if offset is not None and sel.contiguous_rows:
+                first = sum(a * st for a, st in zip(sel.start, contiguous_stride(entry.shape)))
+                queue = plan if plan is not None and not post else io.ReadPlan(self._rawfile())
+                queue.add(offset + first * entry.dtype.itemsize, dest)
+                if queue is not plan:
+                    self._run(queue)
+            else:
+                try:
+                    io.read_hdf5(ds.id, entry.dtype.h5_type, dest, sel)
+                except _H5_ERRORS as e:
+                    raise FormatError(f"{self.path}: key {entry.path!r}: cannot read the data ({e})") from e
         if out is None:
             if restore_layout and entry.stride is not None:
                 return io.restore_layout(dest, entry.stride)
             return dest
-        if dest is not out:
+        if not direct:
             with torch.no_grad():
                 bits_view(out).copy_(bits_view(dest))
         return out
@@ -359,6 +431,9 @@ class Store:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._raw is not None:
+            self._raw.close()
+            self._raw = None
 
     @property
     def closed(self) -> bool:

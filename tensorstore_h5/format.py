@@ -24,16 +24,20 @@ from .errors import FormatError
 from .tree import Container
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "ROOT_DATASET", "ATTR_FORMAT", "ATTR_VERSION", "ATTR_LAYOUT",
+    "FORMAT_NAME", "FORMAT_VERSION", "ROOT_DATASET", "PACK_GROUP", "ATTR_FORMAT", "ATTR_VERSION", "ATTR_LAYOUT",
     "ATTR_METADATA", "ATTR_TORCH_DTYPE", "ATTR_STRIDE", "Container", "TensorEntry", "ArrayEntry",
     "ValueEntry", "ForeignEntry", "Entry", "Layout", "read_layout", "parse_layout", "layout_json",
-    "write_layout", "check_metadata", "write_tensor_attrs", "contiguous_stride",
+    "write_layout", "check_metadata", "write_tensor_attrs", "write_pack_attrs", "contiguous_stride",
 ]
 
 FORMAT_NAME = "tensorstore_h5"
 FORMAT_VERSION = 1
 ROOT_DATASET = "data"
 """Dataset name used when the saved object itself is a tensor or array (no root dict)."""
+
+PACK_GROUP = "%packed"
+"""Group of the pack datasets (one 1-D dataset per dtype) that hold small tensors back to back.
+``escape`` never produces this name, so it cannot collide with a key."""
 
 ATTR_FORMAT = "tensorstore_h5.format"
 ATTR_VERSION = "tensorstore_h5.version"
@@ -61,6 +65,8 @@ class TensorEntry:
     ``requires_grad`` is None for plain tensors and a bool for ``nn.Parameter``.
     ``foreign`` marks datasets of files not written by tensorstore_h5 (values are
     converted by HDF5 into ``dtype``'s type instead of being copied as raw bytes).
+    ``packed`` is the element offset of a small tensor inside the pack dataset ``dataset``
+    (None for a tensor with a dataset of its own).
     """
 
     path: str
@@ -72,6 +78,7 @@ class TensorEntry:
     same_as: str | None = None
     requires_grad: bool | None = None
     foreign: bool = False
+    packed: int | None = None
 
     @property
     def numel(self) -> int:
@@ -167,6 +174,8 @@ def entry_json(entry: Entry, parent_type: str | None) -> dict[str, Any]:
             out["parameter"] = {"requires_grad": entry.requires_grad}
         if entry.dataset != entry.path:
             out["dataset"] = entry.dataset
+        if entry.packed is not None:
+            out["offset"] = entry.packed
     elif isinstance(entry, ArrayEntry):
         out.update(type="ndarray", dtype=entry.dtype.str, shape=list(entry.shape))
         if entry.dataset != entry.path:
@@ -208,6 +217,11 @@ def write_layout(f: h5py.File, entries: Iterable[Entry], metadata: Mapping[str, 
     f.attrs[ATTR_VERSION] = np.int64(FORMAT_VERSION)
     f.attrs[ATTR_METADATA] = meta_text
     f.attrs[ATTR_LAYOUT] = text
+
+
+def write_pack_attrs(ds: h5py.Dataset, spec: DtypeSpec) -> None:
+    """Attributes of a pack dataset: the torch dtype of its elements."""
+    ds.attrs[ATTR_TORCH_DTYPE] = spec.name
 
 
 def write_tensor_attrs(ds: h5py.Dataset, entry: TensorEntry) -> None:
@@ -287,8 +301,9 @@ def parse_layout(text: str, file: str, version: int = FORMAT_VERSION, metadata: 
     return Layout(file, version, tuple(entries), meta)
 
 
+_CONTAINER_FIELDS = frozenset({"path", "key", "type"})
 _ENTRY_FIELDS = {
-    "tensor": {"path", "key", "type", "dtype", "shape", "stride", "same_as", "parameter", "dataset"},
+    "tensor": {"path", "key", "type", "dtype", "shape", "stride", "same_as", "parameter", "dataset", "offset"},
     "ndarray": {"path", "key", "type", "dtype", "shape", "dataset"},
     "value": {"path", "key", "type", "value"},
 }
@@ -306,18 +321,22 @@ def _parse_entry(item: Any, types: dict[str, str], tensors: dict[str, TensorEntr
         raise ValueError("duplicate path")
     key = _parse_key(item, path, types)
     if kind in tree.CONTAINER_TYPES:
-        if set(item) - {"path", "key", "type"}:
-            raise ValueError(f"unexpected fields {sorted(set(item) - {'path', 'key', 'type'})}")
+        if not item.keys() <= _CONTAINER_FIELDS:
+            raise ValueError(f"unexpected fields {sorted(set(item) - _CONTAINER_FIELDS)}")
         return Container(path, key, kind)
     fields = _ENTRY_FIELDS.get(kind)
     if fields is None:
         raise ValueError(f"unknown entry type {kind!r}")
-    if set(item) - fields:
+    if not item.keys() <= fields:
         raise ValueError(f"unexpected fields {sorted(set(item) - fields)}")
     if kind == "value":
         return ValueEntry(path, key, tree.decode_value(item["value"]))
-    dataset = item.get("dataset", path)
-    if not isinstance(dataset, str) or not dataset or (path and dataset != path):
+    dataset = item.get("dataset", path or ROOT_DATASET)
+    packed = item.get("offset")
+    if packed is not None:
+        if kind != "tensor" or type(packed) is not int or packed < 0 or dataset != f"{PACK_GROUP}/{item.get('dtype')}":
+            raise ValueError(f"invalid packed tensor (dataset {dataset!r}, offset {packed!r})")
+    elif not isinstance(dataset, str) or dataset != (path or ROOT_DATASET):
         raise ValueError(f"invalid dataset {dataset!r}")
     shape = _parse_ints(item.get("shape"), "shape", minimum=0)
     if kind == "ndarray":
@@ -336,7 +355,8 @@ def _parse_entry(item: Any, types: dict[str, str], tensors: dict[str, TensorEntr
     same_as = item.get("same_as")
     if same_as is not None:
         orig = tensors.get(same_as)
-        if orig is None or orig.same_as is not None or (orig.dtype, orig.shape, orig.stride) != (spec, shape, stride):
+        if orig is None or orig.same_as is not None or (orig.dtype, orig.shape, orig.stride, orig.dataset) != \
+                (spec, shape, stride, dataset if packed is not None else orig.dataset) or orig.packed != packed:
             raise ValueError(f"same_as {same_as!r} does not name an earlier tensor of the same dtype, shape and stride")
     requires_grad = None
     if "parameter" in item:
@@ -344,7 +364,7 @@ def _parse_entry(item: Any, types: dict[str, str], tensors: dict[str, TensorEntr
         if not isinstance(param, dict) or type(param.get("requires_grad")) is not bool:
             raise ValueError("invalid parameter field")
         requires_grad = param["requires_grad"]
-    return TensorEntry(path, key, spec, shape, dataset, stride, same_as, requires_grad)
+    return TensorEntry(path, key, spec, shape, dataset, stride, same_as, requires_grad, packed=packed)
 
 
 def _parse_key(item: dict[str, Any], path: str, types: dict[str, str]) -> Any:
@@ -369,8 +389,11 @@ def _parse_key(item: dict[str, Any], path: str, types: dict[str, str]) -> Any:
 
 
 def _parse_ints(value: Any, what: str, minimum: int) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(type(n) is int and n >= minimum for n in value):
+    if type(value) is not list:
         raise ValueError(f"invalid {what} {value!r}")
+    for n in value:
+        if type(n) is not int or n < minimum:
+            raise ValueError(f"invalid {what} {value!r}")
     return tuple(value)
 
 

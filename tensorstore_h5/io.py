@@ -27,7 +27,7 @@ from .slicing import Selection, rows
 
 __all__ = [
     "BLOCK_BYTES", "IO_THREADS", "PIECE_BYTES", "HUGEPAGE_MIN_BYTES", "tensor_bytes", "empty", "read_hdf5",
-    "write_hdf5", "write_tensor", "row_blocks", "restore_layout", "raw_offset", "RawFile", "ReadPlan",
+    "write_hdf5", "write_tensor", "row_blocks", "restore_layout", "RawFile", "ReadPlan",
 ]
 
 BLOCK_BYTES = 64 * 2**20
@@ -74,17 +74,6 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if stop > start:
             _madvise(start, stop - start, _MADV_HUGEPAGE)  # type: ignore[operator]
     return t
-
-
-def raw_offset(dsid: h5py.h5d.DatasetID, mtype: h5py.h5t.TypeID) -> int | None:
-    """The file offset of a dataset's bytes when they can be read raw: contiguous layout, no
-    filters, allocated, and stored in exactly ``mtype``. None otherwise."""
-    dcpl = dsid.get_create_plist()
-    if dcpl.get_layout() != h5py.h5d.CONTIGUOUS or dcpl.get_nfilters() or dsid.get_type() != mtype:
-        return None
-    if dcpl.get_external_count():
-        return None
-    return dsid.get_offset()
 
 
 _pool: ThreadPoolExecutor | None = None

@@ -160,6 +160,7 @@ class Store:
         self._leaf_paths = [e.path for e in leaves]
         self._container_paths = [e.path for e in self._layout.entries if isinstance(e, Container) and e.path]
         self._offsets: dict[str, int | None] = {}  # dataset -> raw byte offset, once checked
+        self._pack_len: dict[str, int] = {}  # pack dataset -> elements
         self._raw: io.RawFile | None = None
 
     # -- mapping-like view ---------------------------------------------------------------
@@ -278,7 +279,7 @@ class Store:
         damaged or truncated file is refused before any target changes.
         """
         for handle, _ in pairs:
-            self._dataset(handle._entry)
+            self._base(handle._entry)
         bar = Progress(progress, desc=f"loading {os.path.basename(self.path)}")
         bar.total(sum(h.nbytes for h, _ in pairs))
         plan = io.ReadPlan(self._rawfile()) if bar.silent else None
@@ -311,41 +312,65 @@ class Store:
         except (OSError, EOFError) as e:
             raise FormatError(f"{self.path}: cannot read tensor data: {e}") from e
 
-    def _dataset(self, entry: TensorEntry | ArrayEntry | ForeignEntry) -> h5py.Dataset:
+    def _dataset(self, entry: TensorEntry | ArrayEntry | ForeignEntry) -> h5py.h5d.DatasetID:
+        """The open dataset of ``entry``, checked against the layout on first use."""
         try:
-            ds = self._h5()[entry.dataset]
+            dsid = h5py.h5d.open(self._h5().id, entry.dataset.encode("utf-8"))
         except _H5_ERRORS as e:
-            raise FormatError(f"{self.path}: key {entry.path!r}: dataset {entry.dataset!r} is missing or unreadable ({e})") from e
-        if not isinstance(ds, h5py.Dataset):
-            raise FormatError(f"{self.path}: key {entry.path!r}: {entry.dataset!r} is not a dataset")
+            raise FormatError(f"{self.path}: key {entry.path!r}: dataset {entry.dataset!r} is missing or not a dataset ({e})") from e
         if entry.dataset not in self._offsets and isinstance(entry, (TensorEntry, ArrayEntry)):
-            self._offsets[entry.dataset] = self._check_dataset(entry, ds)
-        return ds
+            self._offsets[entry.dataset] = self._check_dataset(entry, dsid)
+        return dsid
 
-    def _check_dataset(self, entry: TensorEntry | ArrayEntry, ds: h5py.Dataset) -> int | None:
+    def _base(self, entry: TensorEntry) -> int | None:
+        """File offset of ``entry``'s first byte when it can be read raw, else None. Checks
+        the dataset on first use (without opening it again later) and a packed entry's range."""
+        if entry.dataset not in self._offsets:
+            self._dataset(entry)
+        offset = self._offsets[entry.dataset]
+        if entry.packed is None:
+            return offset
+        if entry.packed + entry.numel > self._pack_len[entry.dataset]:
+            raise FormatError(f"{self.path}: key {entry.path!r}: packed range ends past its dataset {entry.dataset!r}")
+        return None if offset is None else offset + entry.packed * entry.dtype.itemsize
+
+    def _check_dataset(self, entry: TensorEntry | ArrayEntry, dsid: h5py.h5d.DatasetID) -> int | None:
         """Check a dataset against its entry once; return its raw byte offset (or None)."""
+        packed = isinstance(entry, TensorEntry) and entry.packed is not None
         try:
-            shape = ds.shape
-            dcpl = ds.id.get_create_plist()
-            ftype = ds.id.get_type()
-            offset = io.raw_offset(ds.id, entry.dtype.h5_type) if isinstance(entry, TensorEntry) else None
+            shape = dsid.shape
+            dcpl = dsid.get_create_plist()
+            ftype = dsid.get_type()
+            chunked = dcpl.get_layout() == h5py.h5d.CHUNKED
+            filtered = chunked and dcpl.get_nfilters() > 0
+            offset = None
+            if isinstance(entry, TensorEntry) and dcpl.get_layout() == h5py.h5d.CONTIGUOUS and ftype == entry.dtype.h5_type \
+                    and not dcpl.get_external_count():
+                offset = dsid.get_offset()
         except _H5_ERRORS as e:
             raise FormatError(f"{self.path}: key {entry.path!r}: unreadable dataset header ({e})") from e
-        if shape != entry.shape:
+        if packed:
+            if len(shape) != 1:
+                raise FormatError(f"{self.path}: key {entry.path!r}: pack dataset {entry.dataset!r} is not 1-D")
+            self._pack_len[entry.dataset] = shape[0]
+            nbytes = shape[0] * entry.dtype.itemsize
+        elif shape != entry.shape:
             raise FormatError(f"{self.path}: key {entry.path!r}: dataset shape {shape} does not match the layout's {entry.shape}")
+        else:
+            nbytes = entry.nbytes
         if isinstance(entry, TensorEntry) and not entry.foreign and ftype != entry.dtype.h5_type:
             raise FormatError(f"{self.path}: key {entry.path!r}: dataset type does not match torch dtype {entry.dtype.name}")
-        if offset is not None and offset + entry.nbytes > self._rawfile().size:
+        if offset is not None and offset + nbytes > self._rawfile().size:
             raise FormatError(
-                f"{self.path}: key {entry.path!r}: data ends at byte {offset + entry.nbytes}, past the end of the "
+                f"{self.path}: key {entry.path!r}: data ends at byte {offset + nbytes}, past the end of the "
                 f"file ({self._rawfile().size} bytes): truncated file"
             )
-        if dcpl.get_nfilters():
+        if filtered:
             compression.ensure_plugins()
         return offset
 
     def _compression(self, entry: TensorEntry) -> dict[str, Any] | None:
-        return compression.describe(self._dataset(entry).id.get_create_plist())
+        return compression.describe(self._dataset(entry).get_create_plist())
 
     def _read_leaf(self, entry: Any, cache: Any, device: Device, mmap: bool, plan: io.ReadPlan | None) -> Any:
         if isinstance(entry, ValueEntry):
@@ -353,7 +378,7 @@ class Store:
         if isinstance(entry, ForeignEntry):
             raise FormatError(f"{self.path}: key {entry.path!r} cannot be loaded as a tensor: {entry.reason}")
         if isinstance(entry, ArrayEntry):
-            ds = self._dataset(entry)
+            ds = h5py.Dataset(self._dataset(entry))
             try:
                 return np.asarray(ds[()], dtype=entry.dtype)
             except _H5_ERRORS as e:
@@ -374,11 +399,25 @@ class Store:
             cache[origin] = t
         return t
 
+    def _read_hdf5(self, entry: TensorEntry, sel: Selection, dest: torch.Tensor) -> None:
+        """HDF5's own read of ``sel`` into ``dest`` (chunked, filtered or converted data)."""
+        dsid = self._dataset(entry)
+        try:
+            if entry.packed is None:
+                io.read_hdf5(dsid, entry.dtype.h5_type, dest, sel)
+                return
+            full = io.empty(entry.shape, entry.dtype.torch_dtype)
+            span = select_index(slice(entry.packed, entry.packed + entry.numel), (self._pack_len[entry.dataset],))
+            io.read_hdf5(dsid, entry.dtype.h5_type, full, span)
+        except _H5_ERRORS as e:
+            raise FormatError(f"{self.path}: key {entry.path!r}: cannot read the data ({e})") from e
+        picked = bits_view(full)[tuple(slice(a, a + (c - 1) * st + 1, st) for a, c, st in zip(sel.start, sel.count, sel.step))]
+        bits_view(dest).copy_(picked.reshape(sel.shape))
+
     def _mapped(self, entry: TensorEntry) -> torch.Tensor | None:
         """A file-backed tensor for a row-major, contiguous, unfiltered dataset, else None."""
-        self._dataset(entry)
-        offset = self._offsets.get(entry.dataset)
-        if offset is None or entry.stride is not None or entry.numel == 0:
+        offset = self._base(entry)
+        if offset is None or entry.stride is not None or entry.numel == 0 or entry.packed is not None:
             return None
         try:
             return self._rawfile().mapped(offset, entry.nbytes, entry.dtype.torch_dtype, entry.shape)
@@ -398,23 +437,19 @@ class Store:
                 f"{self.path}: key {entry.path!r}: out has shape {tuple(out.shape)} and dtype {out.dtype}, "
                 f"the selection needs {sel.shape} and {dtype}"
             )
-        ds = self._dataset(entry)
+        base = self._base(entry)
         direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
         dest = out if direct else io.empty(sel.shape, dtype)
         post = (out is not None and not direct) or (out is None and restore_layout and entry.stride is not None)
         if not sel.empty:
-            offset = self._offsets.get(entry.dataset)
-            if offset is not None and sel.contiguous_rows:
+            if base is not None and sel.contiguous_rows:
                 first = sum(a * st for a, st in zip(sel.start, contiguous_stride(entry.shape)))
                 queue = plan if plan is not None and not post else io.ReadPlan(self._rawfile())
-                queue.add(offset + first * entry.dtype.itemsize, dest)
+                queue.add(base + first * entry.dtype.itemsize, dest)
                 if queue is not plan:
                     self._run(queue)
             else:
-                try:
-                    io.read_hdf5(ds.id, entry.dtype.h5_type, dest, sel)
-                except _H5_ERRORS as e:
-                    raise FormatError(f"{self.path}: key {entry.path!r}: cannot read the data ({e})") from e
+                self._read_hdf5(entry, sel, dest)
         if out is None:
             if restore_layout and entry.stride is not None:
                 return io.restore_layout(dest, entry.stride)

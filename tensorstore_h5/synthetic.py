@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["transformer_state_dict", "optimizer_state", "checkpoint"]
+__all__ = ["transformer_state_dict", "optimizer_state", "checkpoint", "bench_state_dict"]
 
 
 def transformer_state_dict(
@@ -64,3 +64,31 @@ def checkpoint(layers: int = 4, width: int = 256, vocab: int = 1000, with_optimi
     out["epoch"] = 3
     out["config"] = {"layers": layers, "width": width, "vocab": vocab, "dtype": torch.float32, "lr": 1e-3}
     return out
+
+
+def bench_state_dict(total_bytes: int, keys: int = 300, seed: int = 0) -> OrderedDict[str, torch.Tensor]:
+    """A transformer-like state dict of about ``total_bytes`` in about ``keys`` tensors, half of
+    the layers float32 and half bfloat16, filled fast from one tiled random block."""
+    layers = max(1, keys // 8)
+    width = max(8, int((total_bytes / (layers * 12 * 3)) ** 0.5) // 8 * 8)
+    g = torch.Generator().manual_seed(seed)
+    block = torch.randn(1 << 22, generator=g) * 0.02
+
+    def fill(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype)
+        flat = out.view(-1)
+        for start in range(0, flat.numel(), block.numel()):
+            n = min(block.numel(), flat.numel() - start)
+            flat[start:start + n].copy_(block[:n])
+        return out
+
+    sd: OrderedDict[str, torch.Tensor] = OrderedDict()
+    w = width
+    for i in range(layers):
+        dt = torch.float32 if i % 2 == 0 else torch.bfloat16
+        p = f"layers.{i}."
+        for name, shape in (("attn.qkv.weight", (3 * w, w)), ("attn.qkv.bias", (3 * w,)), ("attn.out.weight", (w, w)),
+                            ("attn.out.bias", (w,)), ("mlp.up.weight", (4 * w, w)), ("mlp.down.weight", (w, 4 * w)),
+                            ("norm1.weight", (w,)), ("norm2.weight", (w,))):
+            sd[p + name] = fill(shape, dt)
+    return sd

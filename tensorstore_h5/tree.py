@@ -28,7 +28,7 @@ __all__ = [
 EMPTY_NAME = "%"
 """Link name of the empty-string key (a lone ``%`` is never produced otherwise)."""
 
-_SPECIAL = frozenset("%/\x00")
+_NEEDS_ESCAPE = re.compile("[%/\x00\ud800-\udfff]")
 _PERCENT = re.compile(r"%([0-9A-F]{2})")
 
 
@@ -43,21 +43,17 @@ def escape(key: str) -> str:
         return EMPTY_NAME
     if key in (".", ".."):
         return "%2E" * len(key)
-    if not any(c in _SPECIAL or "\ud800" <= c <= "\udfff" for c in key):
+    if _NEEDS_ESCAPE.search(key) is None:
         return key
-    out = []
-    for c in key:
-        if c in _SPECIAL or "\ud800" <= c <= "\udfff":
-            out.append("".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass")))
-        else:
-            out.append(c)
-    return "".join(out)
+    return _NEEDS_ESCAPE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode("utf-8", "surrogatepass")), key)
 
 
 def unescape(name: str) -> str:
     """Invert :func:`escape`. Raises ValueError for a name that ``escape`` cannot produce."""
     if name == EMPTY_NAME:
         return ""
+    if name.isascii() and _NEEDS_ESCAPE.search(name) is None and name not in ("", ".", ".."):
+        return name
     parts: list[bytes] = []
     pos = 0
     for m in _PERCENT.finditer(name):

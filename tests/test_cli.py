@@ -32,7 +32,7 @@ def test_ls_and_info_json() -> None:
     assert rows["model/enc.0.bias"]["dtype"] == "bfloat16" and all(k.startswith("model/") for k in rows)
     r = run("info", str(GOLDEN), "--json")
     info = json.loads(r.stdout)
-    assert info["format_version"] == 1 and info["metadata"] == {"note": "golden v1"} and info["tensors"] == 9
+    assert info["format_version"] == 1 and info["metadata"] == {"note": "golden v1"} and info["tensors"] == 10
 
 
 def test_ls_text_and_verify(tmp_path) -> None:

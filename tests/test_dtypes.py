@@ -42,8 +42,8 @@ def test_native_numpy_mapping(dtype: torch.dtype) -> None:
 
 
 def test_bfloat16_and_float8_e5m2_read_as_real_numbers_by_h5py(tmp_path) -> None:
-    bf = torch.tensor([1.5, -3.25, 1e30, float("inf"), 2.0**-130], dtype=torch.bfloat16)
-    e5 = torch.tensor([1.5, -3.0, 57344.0, float("-inf")]).to(torch.float8_e5m2)
+    bf = torch.tensor([1.5, -3.25, 1e30, float("inf"), 2.0**-130] * 60, dtype=torch.bfloat16)  # > 256 B: own dataset
+    e5 = torch.tensor([1.5, -3.0, 57344.0, float("-inf")] * 100).to(torch.float8_e5m2)
     th5.save({"bf": bf, "e5": e5, "e4": e5.float().to(torch.float8_e4m3fn)}, tmp_path / "f.h5")
     with h5py.File(tmp_path / "f.h5") as f:
         np.testing.assert_array_equal(f["bf"].astype("f4")[()], bf.float().numpy())

@@ -53,9 +53,12 @@ def test_golden_file_is_readable_with_plain_h5py() -> None:
         assert entries["model/head.weight"]["same_as"] == "model/embed.weight"
         assert entries["optim/state/0"]["key"] == 0
         enc = f["model/enc.0.weight"]
-        assert list(enc.attrs["stride"]) == [1, 3] and enc.attrs["torch_dtype"] == "float32"
+        assert list(enc.attrs["stride"]) == [1, 12] and enc.attrs["torch_dtype"] == "float32"
         np.testing.assert_array_equal(enc[()], golden()["model"]["enc.0.weight"].numpy())
-        assert f["model/enc.0.bias"].dtype == np.float32  # bfloat16 as an HDF5 float type: real numbers
+        assert f["%packed/bfloat16"].dtype == np.float32  # bfloat16 as an HDF5 float type: real numbers
+        bias = entries["model/enc.0.bias"]
+        assert bias["dataset"] == "%packed/bfloat16" and f["%packed/bfloat16"].attrs["torch_dtype"] == "bfloat16"
+        np.testing.assert_array_equal(f["%packed/bfloat16"][bias["offset"]:bias["offset"] + 3], np.zeros(3, np.float32))
         assert "keys/a%2Fb" in entries and "keys/%" in entries and "keys/%2E%2E" in entries
 
 
@@ -89,8 +92,10 @@ def _edit_entry(file: Path, key: str, changes: dict) -> None:
 @pytest.mark.parametrize("key, changes, match", [
     ("model/head.weight", {"dtype": "float128"}, "unknown torch dtype"),
     ("model/head.weight", {"shape": [-1]}, "invalid shape"),
-    ("model/mask", {"shape": [6, 5]}, "'model/mask'.*does not match"),
-    ("model/mask", {"dtype": "float32"}, "'model/mask'.*type does not match"),
+    ("optim/state/0/exp_avg", {"shape": [6, 5]}, "'optim/state/0/exp_avg'.*does not match"),
+    ("optim/state/0/exp_avg", {"dtype": "int32"}, "'optim/state/0/exp_avg'.*type does not match"),
+    ("model/mask", {"dtype": "float32"}, "'model/mask'.*invalid packed"),
+    ("model/mask", {"offset": 10**6}, "'model/mask'.*packed range"),
     ("model/head.weight", {"stride": [1]}, "stride and shape"),
     ("model/head.weight", {"type": "pickle"}, "unknown entry type"),
     ("model/head.weight", {"same_as": "model/mask"}, "same_as"),
@@ -111,11 +116,11 @@ def test_missing_dataset_names_the_key(tmp_path) -> None:
     path = tmp_path / "d.h5"
     shutil.copy(GOLDEN, path)
     with h5py.File(path, "r+") as f:
-        del f["model/mask"]
+        del f["optim/state/0/exp_avg"]
     with th5.open(path) as s:
         assert torch.equal(s["model/embed.weight"].read(), golden()["model"]["embed.weight"])
-        with pytest.raises(th5.FormatError, match="d.h5.*'model/mask'"):
-            s["model/mask"].read()
+        with pytest.raises(th5.FormatError, match="d.h5.*'optim/state/0/exp_avg'"):
+            s["optim/state/0/exp_avg"].read()
 
 
 def test_not_hdf5_and_truncated_files(tmp_path) -> None:
@@ -175,5 +180,6 @@ def test_format_doc_reader_reads_the_golden_file() -> None:
                    ("model/fp8", ref["model"]["fp8"]), ("model/mask", ref["model"]["mask"]),
                    ("optim/state/0/step", ref["optim"]["state"][0]["step"])]:
         assert plain[key].dtype == t.dtype and torch.equal(bits(plain[key]), bits(t)), key
-    assert plain["model/enc.0.weight"].stride() == (1, 3)
+    assert plain["model/enc.0.weight"].stride() == (1, 12)
+    assert torch.equal(plain["model/enc.0.gate"], ref["model"]["enc.0.gate"]) and plain["model/enc.0.gate"].stride() == (1, 4)
     assert plain["values/6"] == "text" and plain["values/2"] == 2**70

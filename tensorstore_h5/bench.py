@@ -1,0 +1,591 @@
+"""``tensorstore-h5 bench``: tensorstore_h5 against the machine's limits and every peer, in one run.
+
+Each contender runs in a fresh subprocess (``python -m tensorstore_h5.bench worker NAME DIR``),
+best and median of ``--repeat`` runs; files stay in the page cache, so the figures are memory
+and page-cache speeds. GB/s are 10**9 bytes of tensor data per second. ``peak`` is the growth
+of peak RSS during the timed operation (MiB), measured by resetting the kernel's high-water
+mark (``/proc/self/clear_refs``) just before it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle  # noqa: S403 - only the peer "pickle header + raw storages" contender uses it
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["main", "CONTENDERS"]
+
+
+# ---------------------------------------------------------------------------- worker side
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+@dataclass
+class Ctx:
+    dir: str
+    size: int
+    keys: int
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        from .synthetic import bench_state_dict
+
+        return bench_state_dict(self.size, self.keys)
+
+    def nbytes(self, sd: dict[str, torch.Tensor]) -> int:
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in sd.values()}.values())
+
+
+Timed = tuple[Callable[[], Any], int]  # (the operation, bytes it moves)
+CONTENDERS: dict[str, tuple[str, Callable[[Ctx], Timed]]] = {}
+
+
+def contender(name: str, group: str) -> Callable[[Callable[[Ctx], Timed]], Callable[[Ctx], Timed]]:
+    def register(fn: Callable[[Ctx], Timed]) -> Callable[[Ctx], Timed]:
+        CONTENDERS[name] = (group, fn)
+        return fn
+    return register
+
+
+def _touch_all(tensors: Any) -> None:
+    for t in tensors:
+        if t.numel():
+            t.view(torch.uint8).sum() if t.element_size() == 1 else t.view(-1)[:: max(1, 4096 // t.element_size())].sum()
+
+
+def _prealloc(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {k: torch.empty_like(v) for k, v in sd.items()}
+    for t in out.values():
+        t.zero_()  # touched: what a model's existing parameters look like
+    return out
+
+
+def _shapes(ctx: Ctx) -> dict[str, torch.Tensor]:
+    import tensorstore_h5 as th5
+
+    with th5.open(ctx.path("ckpt.h5")) as s:
+        return {k: torch.zeros(s[k].shape, dtype=s[k].dtype) for k in s.keys()}
+
+
+def _preadv_all(path: str, bufs: list[torch.Tensor], threads: int) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        piece = 8 << 20
+        jobs = []
+        off = 0
+        for b in bufs:
+            mv = memoryview(b.numpy()).cast("B")
+            for s in range(0, len(mv), piece):
+                jobs.append((off + s, mv[s:s + piece]))
+            off += len(mv)
+
+        def run(job: tuple[int, memoryview]) -> None:
+            o, m = job
+            done = 0
+            while done < len(m):
+                done += os.preadv(fd, [m[done:]], o + done)
+
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(run, jobs))
+    finally:
+        os.close(fd)
+
+
+# -- limits
+
+
+@contender("L.write raw bytes", "write")
+def _(ctx: Ctx) -> Timed:
+    sd = ctx.state()
+    def op() -> None:
+        with open(ctx.path("raw.bin"), "wb") as f:
+            for t in sd.values():
+                f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
+    return op, ctx.nbytes(sd)
+
+
+@contender("L.memcpy 1 thread (touched)", "read")
+def _(ctx: Ctx) -> Timed:
+    n = ctx.size
+    a, b = torch.ones(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    torch.set_num_threads(1)
+    return (lambda: b.copy_(a)), n
+
+
+@contender("L.readinto fresh, 2 threads + huge pages", "read")
+def _(ctx: Ctx) -> Timed:
+    from . import io
+
+    n = os.path.getsize(ctx.path("raw.bin"))
+    return (lambda: _preadv_all(ctx.path("raw.bin"), [io.empty((n,), torch.uint8)], 2)), n
+
+
+@contender("L.readinto touched, 2 threads", "read")
+def _(ctx: Ctx) -> Timed:
+    n = os.path.getsize(ctx.path("raw.bin"))
+    buf = torch.zeros(n, dtype=torch.uint8)
+    return (lambda: _preadv_all(ctx.path("raw.bin"), [buf], 2)), n
+
+
+# -- tensorstore_h5
+
+
+@contender("W.tensorstore_h5 save", "write")
+def _(ctx: Ctx) -> Timed:
+    import tensorstore_h5 as th5
+
+    sd = ctx.state()
+    return (lambda: th5.save(sd, ctx.path("ckpt.h5"))), ctx.nbytes(sd)
+
+
+@contender("R.tensorstore_h5 load", "read")
+def _(ctx: Ctx) -> Timed:
+    import tensorstore_h5 as th5
+
+    return (lambda: th5.load(ctx.path("ckpt.h5"))), _file_data(ctx)
+
+
+@contender("R.tensorstore_h5 load(mmap) + touch", "mmap")
+def _(ctx: Ctx) -> Timed:
+    import tensorstore_h5 as th5
+
+    return (lambda: _touch_all(th5.load(ctx.path("ckpt.h5"), mmap=True).values())), _file_data(ctx)
+
+
+@contender("R.tensorstore_h5 load_into (touched targets)", "prealloc")
+def _(ctx: Ctx) -> Timed:
+    import tensorstore_h5 as th5
+
+    target = _shapes(ctx)
+    return (lambda: th5.load_into(target, ctx.path("ckpt.h5"))), _file_data(ctx)
+
+
+@contender("R.tensorstore_h5 items() streaming", "stream")
+def _(ctx: Ctx) -> Timed:
+    import tensorstore_h5 as th5
+
+    def op() -> None:
+        with th5.open(ctx.path("ckpt.h5")) as s:
+            for _k, t in s.items():
+                del t
+    return op, _file_data(ctx)
+
+
+@contender("R.tensorstore_h5 select 1% of keys", "partial")
+def _(ctx: Ctx) -> Timed:
+    import tensorstore_h5 as th5
+
+    with th5.open(ctx.path("ckpt.h5")) as s:
+        keys = s.keys()[:: 100]
+        nbytes = sum(s[k].nbytes for k in keys)
+    return (lambda: th5.load(ctx.path("ckpt.h5"), select=keys)), nbytes
+
+
+@contender("R.tensorstore_h5 1% row slice of every tensor", "partial")
+def _(ctx: Ctx) -> Timed:
+    import tensorstore_h5 as th5
+
+    def op() -> None:
+        with th5.open(ctx.path("ckpt.h5")) as s:
+            for k in s.keys():
+                h = s[k]
+                h[: max(1, len(h) // 100)]
+    with th5.open(ctx.path("ckpt.h5")) as s:
+        nbytes = sum(s[k].nbytes // max(1, len(s[k])) * max(1, len(s[k]) // 100) for k in s.keys())
+    return op, nbytes
+
+
+def _file_data(ctx: Ctx) -> int:
+    import tensorstore_h5 as th5
+
+    with th5.open(ctx.path("ckpt.h5")) as s:
+        return s.nbytes
+
+
+# -- torch
+
+
+@contender("W.torch.save", "write")
+def _(ctx: Ctx) -> Timed:
+    sd = ctx.state()
+    return (lambda: torch.save(sd, ctx.path("ckpt.pt"))), ctx.nbytes(sd)
+
+
+@contender("R.torch.load(weights_only)", "read")
+def _(ctx: Ctx) -> Timed:
+    return (lambda: torch.load(ctx.path("ckpt.pt"), weights_only=True)), _file_data(ctx)
+
+
+@contender("R.torch.load(mmap) + touch", "mmap")
+def _(ctx: Ctx) -> Timed:
+    return (lambda: _touch_all(torch.load(ctx.path("ckpt.pt"), weights_only=True, mmap=True).values())), _file_data(ctx)
+
+
+# -- safetensors
+
+
+@contender("W.safetensors save_file", "write")
+def _(ctx: Ctx) -> Timed:
+    from safetensors.torch import save_file
+
+    sd = ctx.state()
+    return (lambda: save_file(sd, ctx.path("ckpt.safetensors"))), ctx.nbytes(sd)
+
+
+@contender("R.safetensors load_file + clone", "read")
+def _(ctx: Ctx) -> Timed:
+    from safetensors.torch import load_file
+
+    return (lambda: [t.clone() for t in load_file(ctx.path("ckpt.safetensors")).values()]), _file_data(ctx)
+
+
+@contender("R.safetensors load_file + touch", "mmap")
+def _(ctx: Ctx) -> Timed:
+    from safetensors.torch import load_file
+
+    return (lambda: _touch_all(load_file(ctx.path("ckpt.safetensors")).values())), _file_data(ctx)
+
+
+@contender("R.safetensors safe_open get_tensor + copy_ (touched targets)", "prealloc")
+def _(ctx: Ctx) -> Timed:
+    from safetensors import safe_open
+
+    target = _shapes(ctx)
+
+    def op() -> None:
+        with safe_open(ctx.path("ckpt.safetensors"), "pt") as f:
+            for k in f.keys():
+                target[k].copy_(f.get_tensor(k))
+    return op, _file_data(ctx)
+
+
+@contender("R.safetensors safe_open streaming", "stream")
+def _(ctx: Ctx) -> Timed:
+    from safetensors import safe_open
+
+    def op() -> None:
+        with safe_open(ctx.path("ckpt.safetensors"), "pt") as f:
+            for k in f.keys():
+                t = f.get_tensor(k).clone()
+                del t
+    return op, _file_data(ctx)
+
+
+@contender("R.safetensors get_slice 1% rows of every tensor", "partial")
+def _(ctx: Ctx) -> Timed:
+    from safetensors import safe_open
+
+    def op() -> None:
+        with safe_open(ctx.path("ckpt.safetensors"), "pt") as f:
+            for k in f.keys():
+                sl = f.get_slice(k)
+                n = sl.get_shape()[0]
+                sl[: max(1, n // 100)].clone()
+    return op, max(1, _file_data(ctx) // 100)
+
+
+# -- the hand-rolled pickle-header stream and naive h5py
+
+
+@contender("W.pickle header + raw storages", "write")
+def _(ctx: Ctx) -> Timed:
+    sd = ctx.state()
+
+    def op() -> None:
+        spec = [(k, str(t.dtype), tuple(t.shape), tuple(t.stride()), t.numel() * t.element_size()) for k, t in sd.items()]
+        with open(ctx.path("ckpt.raw"), "wb") as f:
+            header = pickle.dumps(spec)
+            f.write(len(header).to_bytes(8, "little"))
+            f.write(header)
+            for t in sd.values():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return op, ctx.nbytes(sd)
+
+
+@contender("R.pickle header + raw storages (frombuffer)", "read")
+def _(ctx: Ctx) -> Timed:
+    def op() -> dict[str, torch.Tensor]:
+        with open(ctx.path("ckpt.raw"), "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            spec = pickle.loads(f.read(n))  # noqa: S301 - the peer format under test; our own file
+            buf = bytearray(os.path.getsize(ctx.path("ckpt.raw")) - 8 - n)
+            f.readinto(buf)
+        out, off = {}, 0
+        for k, dt, shape, stride, nb in spec:
+            dtype = getattr(torch, dt.removeprefix("torch."))
+            flat = torch.frombuffer(buf, dtype=torch.uint8, count=nb, offset=off) if nb else torch.empty(0, dtype=torch.uint8)
+            out[k] = flat.view(dtype).as_strided(shape, stride)
+            off += nb
+        return out
+    return op, _file_data(ctx)
+
+
+@contender("W.naive h5py create_dataset(data=t.numpy())", "write")
+def _(ctx: Ctx) -> Timed:
+    import h5py
+
+    sd = ctx.state()
+
+    def op() -> None:
+        with h5py.File(ctx.path("naive.h5"), "w") as f:
+            for k, t in sd.items():
+                f.create_dataset(k, data=(t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy())
+    return op, ctx.nbytes(sd)
+
+
+@contender("R.naive h5py ds[()] + from_numpy", "read")
+def _(ctx: Ctx) -> Timed:
+    import h5py
+
+    def op() -> None:
+        with h5py.File(ctx.path("naive.h5"), "r") as f:
+            {k: torch.from_numpy(f[k][()]) for k in f}
+    return op, _file_data(ctx)
+
+
+# -- many keys, many small objects
+
+
+@contender("K.tensorstore_h5 open + keys() (10,000 keys)", "keys")
+def _(ctx: Ctx) -> Timed:
+    import tensorstore_h5 as th5
+
+    def op() -> None:
+        with th5.open(ctx.path("many.h5")) as s:
+            s.keys()
+    return op, 0
+
+
+@contender("K.safetensors safe_open + keys() (10,000 keys)", "keys")
+def _(ctx: Ctx) -> Timed:
+    from safetensors import safe_open
+
+    def op() -> None:
+        with safe_open(ctx.path("many.safetensors"), "pt") as f:
+            f.keys()
+    return op, 0
+
+
+def _small_objects() -> dict[str, Any]:
+    """An optimizer-like state: thousands of 0-d step tensors, small buffers and scalars."""
+    g = torch.Generator().manual_seed(0)
+    state = {i: {"step": torch.tensor(float(i)), "exp_avg": torch.randn(16, generator=g), "exp_avg_sq": torch.rand(16, generator=g)}
+             for i in range(2000)}
+    return {"state": state, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "params": list(range(2000))}]}
+
+
+@contender("S.tensorstore_h5 save small objects", "small-write")
+def _(ctx: Ctx) -> Timed:
+    import tensorstore_h5 as th5
+
+    obj = _small_objects()
+    return (lambda: th5.save(obj, ctx.path("small.h5"))), 2000 * (4 + 128)
+
+
+@contender("S.torch.save small objects", "small-write")
+def _(ctx: Ctx) -> Timed:
+    obj = _small_objects()
+    return (lambda: torch.save(obj, ctx.path("small.pt"))), 2000 * (4 + 128)
+
+
+@contender("S.tensorstore_h5 load small objects", "small-read")
+def _(ctx: Ctx) -> Timed:
+    import tensorstore_h5 as th5
+
+    return (lambda: th5.load(ctx.path("small.h5"))), 2000 * (4 + 128)
+
+
+@contender("S.torch.load small objects", "small-read")
+def _(ctx: Ctx) -> Timed:
+    return (lambda: torch.load(ctx.path("small.pt"), weights_only=True)), 2000 * (4 + 128)
+
+
+def prepare_keys_files(ctx: Ctx) -> None:
+    """The 10,000-key files for the K. contenders (not timed)."""
+    import tensorstore_h5 as th5
+    from safetensors.torch import save_file
+
+    sd = {f"blocks.{i // 10}.param{i % 10}": torch.full((4,), float(i)) for i in range(10_000)}
+    th5.save(sd, ctx.path("many.h5"))
+    save_file(sd, ctx.path("many.safetensors"))
+
+
+def worker(name: str, ctx: Ctx) -> dict[str, Any]:
+    """Run one contender once; returns seconds, bytes and peak RSS growth."""
+    op, nbytes = CONTENDERS[name][1](ctx)
+    rss0 = _status("VmRSS")
+    _reset_peak()
+    t0 = time.perf_counter()
+    result = op()
+    seconds = time.perf_counter() - t0
+    peak = _status("VmHWM") - rss0
+    del result
+    return {"name": name, "seconds": seconds, "bytes": nbytes, "peak_bytes": max(0, peak)}
+
+
+# ---------------------------------------------------------------------------- parent side
+
+
+ORDER = [
+    "L.write raw bytes", "W.tensorstore_h5 save", "W.torch.save", "W.safetensors save_file",
+    "W.pickle header + raw storages", "W.naive h5py create_dataset(data=t.numpy())",
+    "L.memcpy 1 thread (touched)", "L.readinto fresh, 2 threads + huge pages", "L.readinto touched, 2 threads",
+    "R.tensorstore_h5 load", "R.torch.load(weights_only)", "R.safetensors load_file + clone",
+    "R.pickle header + raw storages (frombuffer)", "R.naive h5py ds[()] + from_numpy",
+    "R.tensorstore_h5 load(mmap) + touch", "R.torch.load(mmap) + touch", "R.safetensors load_file + touch",
+    "R.tensorstore_h5 load_into (touched targets)", "R.safetensors safe_open get_tensor + copy_ (touched targets)",
+    "R.tensorstore_h5 items() streaming", "R.safetensors safe_open streaming",
+    "R.tensorstore_h5 select 1% of keys", "R.tensorstore_h5 1% row slice of every tensor",
+    "R.safetensors get_slice 1% rows of every tensor",
+    "K.tensorstore_h5 open + keys() (10,000 keys)", "K.safetensors safe_open + keys() (10,000 keys)",
+    "S.tensorstore_h5 save small objects", "S.torch.save small objects",
+    "S.tensorstore_h5 load small objects", "S.torch.load small objects",
+]
+
+
+def _run_worker(name: str, ctx: Ctx) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "tensorstore_h5.bench", "worker", name, ctx.dir, str(ctx.size), str(ctx.keys)]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise RuntimeError(f"contender {name!r} failed:\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None = None,
+        workdir: str | None = None, out: str | None = None, echo: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Run the contenders (``only``: a substring filter) and print the table; returns the rows."""
+    names = [n for n in ORDER if only is None or any(o in n for o in only.split(","))]
+    tmp = tempfile.mkdtemp(prefix="th5-bench-", dir=workdir)
+    ctx = Ctx(tmp, int(size_gb * 1e9), keys)
+    rows: list[dict[str, Any]] = []
+    try:
+        needs = {n for n in names}
+        if any(n.startswith(("R.", "L.")) for n in needs):
+            for w in ("L.write raw bytes", "W.tensorstore_h5 save", "W.torch.save", "W.safetensors save_file",
+                      "W.pickle header + raw storages", "W.naive h5py create_dataset(data=t.numpy())"):
+                if w not in needs:
+                    _run_worker(w, ctx)  # produce the files the read contenders need
+        if any(n.startswith("K.") for n in needs):
+            prepare_keys_files(ctx)
+        if any(n.startswith("S.") and "load" in n for n in needs):
+            for w in ("S.tensorstore_h5 save small objects", "S.torch.save small objects"):
+                if w not in needs:
+                    _run_worker(w, ctx)
+        for name in names:
+            results = [_run_worker(name, ctx) for _ in range(repeat)]
+            secs = [r["seconds"] for r in results]
+            row = {"name": name, "group": CONTENDERS[name][0], "bytes": results[0]["bytes"], "best_s": min(secs),
+                   "median_s": statistics.median(secs), "peak_mib": max(r["peak_bytes"] for r in results) / 2**20}
+            row["best_gbps"] = row["bytes"] / row["best_s"] / 1e9 if row["bytes"] else None
+            row["median_gbps"] = row["bytes"] / row["median_s"] / 1e9 if row["bytes"] else None
+            rows.append(row)
+            echo(_format(row))
+        _ratios(rows, echo)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump({"size_gb": size_gb, "keys": keys, "repeat": repeat, "machine": _machine(), "rows": rows}, f, indent=1)
+    return rows
+
+
+def _machine() -> str:
+    return f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, torch {torch.__version__}"
+
+
+def _format(row: dict[str, Any]) -> str:
+    speed = f"best {row['best_gbps']:7.2f} GB/s  med {row['median_gbps']:6.2f}" if row["best_gbps"] else \
+        f"best {row['best_s'] * 1e3:7.1f} ms    med {row['median_s'] * 1e3:6.1f} ms"
+    return f"{row['name']:<62} {speed}  peak {row['peak_mib']:7.0f} MiB"
+
+
+def _ratios(rows: list[dict[str, Any]], echo: Callable[[str], None]) -> None:
+    by = {r["name"]: r for r in rows}
+
+    def ratio(a: str, b: str, label: str, time_ratio: bool = False) -> None:
+        if a in by and b in by:
+            ra, rb = by[a], by[b]
+            value = ra["best_s"] / rb["best_s"] if time_ratio else rb["best_s"] / ra["best_s"]
+            echo(f"  {label:<70} {value:6.2f}")
+
+    echo("\nratios (best times; > 1 means tensorstore_h5 is faster, except where it says 'time')")
+    ratio("R.tensorstore_h5 load", "L.readinto fresh, 2 threads + huge pages", "load / raw readinto fresh (target >= 0.9)")
+    ratio("R.tensorstore_h5 load", "R.torch.load(weights_only)", "load vs torch.load")
+    ratio("R.tensorstore_h5 load", "R.safetensors load_file + clone", "load vs safetensors load_file + clone")
+    ratio("R.tensorstore_h5 load(mmap) + touch", "R.safetensors load_file + touch", "load(mmap)+touch vs safetensors+touch (>= 0.9)")
+    ratio("R.tensorstore_h5 load_into (touched targets)", "L.readinto touched, 2 threads", "load_into / raw readinto touched (>= 0.9)")
+    ratio("R.tensorstore_h5 load_into (touched targets)", "R.safetensors safe_open get_tensor + copy_ (touched targets)",
+          "load_into vs safe_open + copy_")
+    ratio("W.tensorstore_h5 save", "L.write raw bytes", "save / raw write (>= 0.8)")
+    ratio("W.tensorstore_h5 save", "W.safetensors save_file", "save vs safetensors save_file")
+    ratio("W.tensorstore_h5 save", "W.torch.save", "save vs torch.save")
+    ratio("R.tensorstore_h5 select 1% of keys", "R.tensorstore_h5 load", "time: select 1% of keys / full load (<= 0.03)", True)
+    ratio("R.tensorstore_h5 1% row slice of every tensor", "R.tensorstore_h5 load", "time: 1% row slices / full load (<= 0.05)", True)
+    ratio("K.tensorstore_h5 open + keys() (10,000 keys)", "K.safetensors safe_open + keys() (10,000 keys)",
+          "time: open+keys 10k / safetensors (<= 2)", True)
+    ratio("S.tensorstore_h5 save small objects", "S.torch.save small objects", "small objects save vs torch.save (>= 1)")
+    ratio("S.tensorstore_h5 load small objects", "S.torch.load small objects", "small objects load vs torch.load (>= 1)")
+    if "R.tensorstore_h5 items() streaming" in by:
+        largest = by.get("_largest")
+        echo(f"  {'streaming peak RSS growth, tensorstore_h5 vs safetensors (MiB)':<70} "
+             f"{by['R.tensorstore_h5 items() streaming']['peak_mib']:6.0f} vs "
+             f"{by.get('R.safetensors safe_open streaming', {}).get('peak_mib', math.nan):.0f}" + ("" if largest else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "worker":
+        name, d, size, keys = args[1], args[2], int(args[3]), int(args[4])
+        print(json.dumps(worker(name, Ctx(d, size, keys))))
+        return 0
+    import argparse
+
+    p = argparse.ArgumentParser(prog="tensorstore-h5 bench")
+    add_arguments(p)
+    a = p.parse_args(args)
+    run(a.size_gb, a.keys, a.repeat, a.only, a.dir, a.json)
+    return 0
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--size-gb", type=float, default=2.0, help="checkpoint size in GB (10**9 bytes)")
+    p.add_argument("--keys", type=int, default=300, help="about how many tensors")
+    p.add_argument("--repeat", type=int, default=3, help="runs per contender (best and median are reported)")
+    p.add_argument("--only", help="comma-separated substrings of contender names")
+    p.add_argument("--dir", help="where to put the files (default: the temp dir)")
+    p.add_argument("--json", help="also write the results to this JSON file")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

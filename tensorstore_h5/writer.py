@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 import weakref
 from collections.abc import Mapping
@@ -158,7 +159,7 @@ class Writer:
             self._write_packs()
             fmt.write_layout(self._file, self._entries, self._metadata)
             self._file.close()
-            os.replace(self._tmp, self.path)
+            _replace(self._tmp, self.path)
         except BaseException:
             self.abort()
             raise
@@ -310,6 +311,24 @@ def _nbytes(value: Any) -> int:
     if isinstance(value, np.ndarray):
         return value.nbytes
     return 0
+
+
+def _replace(tmp: str, path: str) -> None:
+    """``os.replace(tmp, path)``, releasing the old file's pages off the caller's thread.
+
+    Dropping the last reference to a large replaced file frees its page-cache pages, which
+    costs about as much as writing it; holding a descriptor across the rename moves that
+    cost to a background close.
+    """
+    try:
+        old = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        old = None
+    try:
+        os.replace(tmp, path)
+    finally:
+        if old is not None:
+            threading.Thread(target=os.close, args=(old,), name="tensorstore_h5-release", daemon=True).start()
 
 
 def _discard(f: h5py.File, tmp: str) -> None:

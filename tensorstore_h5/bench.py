@@ -574,6 +574,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tensorstore-h5 bench")
     add_arguments(p)
     a = p.parse_args(args)
+    if a.compression:
+        from .bench_compression import run as run_compression
+
+        rows = run_compression(a.repeat)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"machine": _machine(), "rows": rows}, f, indent=1)
+        return 0
     run(a.size_gb, a.keys, a.repeat, a.only, a.dir, a.json)
     return 0
 
@@ -585,6 +593,7 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--only", help="comma-separated substrings of contender names")
     p.add_argument("--dir", help="where to put the files (default: the temp dir)")
     p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--compression", action="store_true", help="measure the compression presets on real weights instead")
 
 
 if __name__ == "__main__":

@@ -144,6 +144,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    argv = ["--size-gb", str(args.size_gb), "--keys", str(args.keys), "--repeat", str(args.repeat)]
+    for flag, value in (("--only", args.only), ("--dir", args.dir), ("--json", args.json)):
+        if value:
+            argv += [flag, value]
+    if args.compression:
+        argv.append("--compression")
+    return bench.main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tensorstore-h5", description="PyTorch checkpoints in HDF5 (format v%d)." % FORMAT_VERSION)
     sub = p.add_subparsers(dest="command", required=True)
@@ -160,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("file")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_info)
+    s = sub.add_parser("bench", help="benchmark against the machine's limits and the peers (see bench/README.md)")
+    from .bench import add_arguments
+
+    add_arguments(s)
+    s.set_defaults(func=cmd_bench)
     s = sub.add_parser("verify", help="read every byte and check the structure")
     s.add_argument("file")
     s.set_defaults(func=cmd_verify)

@@ -214,6 +214,23 @@ class Store:
         """Total bytes of tensor and array data (aliased tensors counted once)."""
         return sum(_data_bytes(e) for e in self._layout.leaves)
 
+    def info(self) -> dict[str, Any]:
+        """Totals and, per tensor with a dataset of its own, dtype, shape, bytes, bytes on disk,
+        ratio (stored/original) and compression (filters and chunk shape, or None)."""
+        tensors = {}
+        for e in self._layout.leaves:
+            if isinstance(e, TensorEntry) and e.same_as is None and e.packed is None:
+                dsid = self._dataset(e)
+                stored = dsid.get_storage_size()
+                tensors[e.path] = {"dtype": e.dtype.name, "shape": list(e.shape), "nbytes": e.nbytes, "stored_bytes": stored,
+                                   "ratio": stored / e.nbytes if e.nbytes else 1.0,
+                                   "compression": compression.describe(dsid.get_create_plist())}
+        data = sum(t["nbytes"] for t in tensors.values())
+        stored = sum(t["stored_bytes"] for t in tensors.values())
+        return {"file": self.path, "format_version": self.format_version, "file_bytes": os.path.getsize(self.path),
+                "keys": len(self), "data_bytes": self.nbytes, "ratio": stored / data if data else 1.0,
+                "metadata": self.metadata, "tensors": tensors}
+
     # -- loading ------------------------------------------------------------------------
 
     def items(self, select: Selector = None, device: Device = None, *, mmap: bool = False) -> Iterator[tuple[str, Any]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .api import LoadResult, load, load_into
 from .compression import PRESETS
+from .convert import convert
 from .errors import (
     FormatError,
     KeyNotFoundError,
@@ -28,7 +29,7 @@ from .writer import Writer, save
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "load", "load_into", "open", "Store", "TensorHandle", "Writer", "LoadResult",
+    "save", "load", "load_into", "open", "convert", "Store", "TensorHandle", "Writer", "LoadResult",
     "escape", "unescape", "PRESETS", "FORMAT_VERSION",
     "TensorStoreError", "FormatError", "UnsupportedTypeError", "KeyNotFoundError", "MismatchError",
     "TensorStoreWarning", "__version__",

@@ -15,6 +15,7 @@ import torch
 
 from . import api, writer
 from .errors import TensorStoreError
+from .compression import PRESETS
 from .format import FORMAT_VERSION, ArrayEntry, ForeignEntry, TensorEntry
 from .store import Store, TensorHandle
 
@@ -144,6 +145,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import convert, format_of
+
+    options: dict[str, Any] = {}
+    if args.compression:
+        if format_of(args.dst) != "h5":
+            raise TensorStoreError("--compression applies to an .h5 destination only")
+        options["compression"] = args.compression
+    t0 = time.perf_counter()
+    convert(args.src, args.dst, select=args.select, **options)
+    print(f"{args.src} -> {args.dst}: {_size(os.path.getsize(args.dst))} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
@@ -172,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("file")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_info)
+    s = sub.add_parser("convert", help="convert between .h5, .safetensors and torch.save files")
+    s.add_argument("src")
+    s.add_argument("dst")
+    s.add_argument("--compression", help="preset for an .h5 destination: " + ", ".join(sorted(PRESETS)))
+    s.add_argument("--select", action="append", help="glob or key of an .h5 source (repeatable)")
+    s.set_defaults(func=cmd_convert)
     s = sub.add_parser("bench", help="benchmark against the machine's limits and the peers (see bench/README.md)")
     from .bench import add_arguments
 
@@ -188,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (TensorStoreError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
+    except (TensorStoreError, FileNotFoundError, PermissionError, IsADirectoryError, ValueError) as e:
         print(f"tensorstore-h5: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -62,3 +62,45 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+_STYLE = ("<style>.th5 {font-family: var(--jp-code-font-family, monospace); font-size: 12px; color: inherit}"
+          ".th5 details > summary {cursor: pointer} .th5 .k {opacity: .65} .th5 td {padding: 0 .6em 0 0}</style>")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def tree_html(title: str, rows: list[tuple[str, str, str]], open_limit: int = 50, group_limit: int = 200) -> str:
+    """A collapsible tree of key paths: ``rows`` are ``(key path, description, size)``.
+
+    Groups with more than ``open_limit`` rows start collapsed; a group lists at most
+    ``group_limit`` rows and says how many it left out, so 10,000-key files stay fast.
+    Colours are inherited, so it reads in light and dark themes.
+    """
+    import html
+
+    groups: dict[str, list[tuple[str, str, str]]] = {}
+    for key, desc, size in rows:
+        head, _, rest = key.partition("/")
+        groups.setdefault(head if rest else "", []).append((rest or head, desc, size))
+    parts = [_STYLE, f'<div class="th5"><b>{html.escape(title)}</b>']
+    for group, items in groups.items():
+        body = "".join(f"<tr><td>{html.escape(k)}</td><td class='k'>{html.escape(d)}</td><td>{html.escape(s)}</td></tr>"
+                       for k, d, s in items[:group_limit])
+        if len(items) > group_limit:
+            body += f"<tr><td class='k'>… {len(items) - group_limit} more</td></tr>"
+        table = f"<table>{body}</table>"
+        if group:
+            state = "" if len(items) > open_limit else " open"
+            parts.append(f"<details{state}><summary>{html.escape(group)}/ <span class='k'>({len(items)} keys)</span>"
+                         f"</summary>{table}</details>")
+        else:
+            parts.append(table)
+    parts.append("</div>")
+    return "".join(parts)

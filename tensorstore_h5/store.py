@@ -113,6 +113,14 @@ class TensorHandle:
                 return mapped
         return self._store._read_tensor(self._entry, sel, out, restore_layout=index is None)
 
+    def _repr_html_(self) -> str:
+        from .display import tree_html
+
+        e = self._entry
+        layout = "row-major" if e.stride is None else f"stride {list(e.stride)}"
+        where = f"packed in {e.dataset}" if e.packed is not None else ("same as " + e.same_as if e.same_as else "own dataset")
+        return tree_html(repr(self), [(e.path or "(root)", f"{e.dtype.name} {list(e.shape)} {layout}, {where}", _human(e.nbytes))])
+
     def __repr__(self) -> str:
         e = self._entry
         dtype = str(self.dtype).removeprefix("torch.")
@@ -496,6 +504,24 @@ class Store:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def _repr_html_(self) -> str:
+        """A collapsible tree of the keys with dtype, shape, layout and size (Jupyter)."""
+        from .display import tree_html
+
+        rows = []
+        for e in self._layout.leaves:
+            if isinstance(e, TensorEntry):
+                desc = f"{e.dtype.name} {list(e.shape)}" + ("" if e.stride is None else f" stride {list(e.stride)}")
+                desc += f" (same as {e.same_as})" if e.same_as else ""
+                rows.append((e.path, desc, _human(e.nbytes)))
+            elif isinstance(e, ArrayEntry):
+                rows.append((e.path, f"ndarray {e.dtype} {list(e.shape)}", _human(e.nbytes)))
+            elif isinstance(e, ValueEntry):
+                rows.append((e.path, f"{type(e.value).__name__} = {repr(e.value)[:40]}", ""))
+            else:
+                rows.append((e.path, f"unsupported: {e.reason}", ""))
+        return tree_html(repr(self), rows)
 
     def __repr__(self) -> str:
         n_t = sum(1 for e in self._layout.leaves if isinstance(e, TensorEntry))

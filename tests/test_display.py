@@ -1,0 +1,22 @@
+from __future__ import annotations
+
+import torch
+
+import tensorstore_h5 as th5
+
+
+def test_store_and_handle_html(tmp_path) -> None:
+    th5.save({"model": {"w<b>": torch.zeros(3, 300), "t": torch.zeros(4, 2).t()}, "epoch": 3}, tmp_path / "f.h5")
+    with th5.open(tmp_path / "f.h5") as s:
+        html = s._repr_html_()
+        assert "<details open><summary>model/" in html and "w&lt;b&gt;" in html and "float32 [3, 300]" in html
+        assert "stride [1, 2]" in html and "int = 3" in html
+        assert "float32 [3, 300]" in s["model/w<b>"]._repr_html_()
+
+
+def test_html_of_a_10000_key_file_is_collapsed_and_reads_no_data(tmp_path, monkeypatch) -> None:
+    th5.save({"layers": {f"p{i}": torch.zeros(2) for i in range(10_000)}}, tmp_path / "big.h5")
+    with th5.open(tmp_path / "big.h5") as s:
+        monkeypatch.setattr(th5.Store, "_read_tensor", lambda *a, **k: (_ for _ in ()).throw(AssertionError("read")))
+        html = s._repr_html_()
+    assert "<details><summary>layers/" in html and "9800 more" in html and html.count("<tr>") == 201

@@ -14,20 +14,13 @@ from typing import Any
 import torch
 
 from . import api, writer
+from .display import human_bytes
 from .errors import TensorStoreError
 from .compression import PRESETS
 from .format import FORMAT_VERSION, ArrayEntry, ForeignEntry, TensorEntry
 from .store import Store, TensorHandle
 
 __all__ = ["main"]
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 def _leaf_info(store: Store, key: str) -> dict[str, Any]:
@@ -60,7 +53,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if r["kind"] == "value":
             desc = f"{r['type']:<10} {r['value']}"
         else:
-            desc = f"{r['dtype']:<10} {str(r['shape']):<18} {_size(r['nbytes']):>10}"
+            desc = f"{r['dtype']:<10} {str(r['shape']):<18} {human_bytes(r['nbytes']):>10}"
             if "same_as" in r:
                 desc += f"  (same as {r['same_as']})"
         print(f"{r['key']:<{width}}  {desc}")
@@ -86,8 +79,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     version = f"tensorstore_h5 format v{info['format_version']}" if info["format_version"] else "foreign HDF5 file"
     print(f"{info['file']}: {version}")
     print(f"  keys       {info['keys']} ({info['tensors']} tensors)")
-    print(f"  data       {_size(info['data_bytes'])}")
-    print(f"  file size  {_size(info['file_bytes'])}")
+    print(f"  data       {human_bytes(info['data_bytes'])}")
+    print(f"  file size  {human_bytes(info['file_bytes'])}")
     if info["metadata"]:
         print(f"  metadata   {json.dumps(info['metadata'])}")
     return 0
@@ -106,7 +99,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         t_save = time.perf_counter() - t0
         size = os.path.getsize(path)
         print(f"saved a synthetic checkpoint: {len(model)} model tensors + AdamW state, "
-              f"{_size(size)} on disk in {t_save * 1e3:.0f} ms")
+              f"{human_bytes(size)} on disk in {t_save * 1e3:.0f} ms")
         with Store(path) as store:
             print(f"opened: {store}")
             for key in store.keys()[:5]:
@@ -140,8 +133,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for _key, value in store.items():
             n += 1
             if isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
-    print(f"{args.file}: OK, {n} keys, {_size(total)} of tensor data read")
+                total += value.numel() * value.elementhuman_bytes()
+    print(f"{args.file}: OK, {n} keys, {human_bytes(total)} of tensor data read")
     return 0
 
 
@@ -155,7 +148,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         options["compression"] = args.compression
     t0 = time.perf_counter()
     convert(args.src, args.dst, select=args.select, **options)
-    print(f"{args.src} -> {args.dst}: {_size(os.path.getsize(args.dst))} in {time.perf_counter() - t0:.1f} s")
+    print(f"{args.src} -> {args.dst}: {human_bytes(os.path.getsize(args.dst))} in {time.perf_counter() - t0:.1f} s")
     return 0
 
 

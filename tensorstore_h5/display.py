@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["AUTO_PROGRESS_BYTES", "Progress", "interactive"]
+__all__ = ["AUTO_PROGRESS_BYTES", "Progress", "interactive", "human_bytes", "tree_html"]
 
 AUTO_PROGRESS_BYTES = 256 * 2**20
 """With ``progress=None``, a bar is shown for work over this many bytes in interactive output."""
@@ -68,7 +68,8 @@ _STYLE = ("<style>.th5 {font-family: var(--jp-code-font-family, monospace); font
           ".th5 details > summary {cursor: pointer} .th5 .k {opacity: .65} .th5 td {padding: 0 .6em 0 0}</style>")
 
 
-def _size(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """``n`` bytes as ``"12 B"``, ``"1.5 KiB"`` ... ``"TiB"``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from . import compression, io, tree
-from .display import Progress
+from .display import Progress, human_bytes
 from .dtypes import bits_view
 from .errors import FormatError, KeyNotFoundError, MismatchError
 from .format import ArrayEntry, Container, ForeignEntry, Layout, TensorEntry, ValueEntry, contiguous_stride, read_layout
@@ -119,20 +119,12 @@ class TensorHandle:
         e = self._entry
         layout = "row-major" if e.stride is None else f"stride {list(e.stride)}"
         where = f"packed in {e.dataset}" if e.packed is not None else ("same as " + e.same_as if e.same_as else "own dataset")
-        return tree_html(repr(self), [(e.path or "(root)", f"{e.dtype.name} {list(e.shape)} {layout}, {where}", _human(e.nbytes))])
+        return tree_html(repr(self), [(e.path or "(root)", f"{e.dtype.name} {list(e.shape)} {layout}, {where}", human_bytes(e.nbytes))])
 
     def __repr__(self) -> str:
         e = self._entry
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"<TensorHandle {e.path!r} shape={list(e.shape)} dtype={dtype} {_human(e.nbytes)}>"
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+        return f"<TensorHandle {e.path!r} shape={list(e.shape)} dtype={dtype} {human_bytes(e.nbytes)}>"
 
 
 class Store:
@@ -514,9 +506,9 @@ class Store:
             if isinstance(e, TensorEntry):
                 desc = f"{e.dtype.name} {list(e.shape)}" + ("" if e.stride is None else f" stride {list(e.stride)}")
                 desc += f" (same as {e.same_as})" if e.same_as else ""
-                rows.append((e.path, desc, _human(e.nbytes)))
+                rows.append((e.path, desc, human_bytes(e.nbytes)))
             elif isinstance(e, ArrayEntry):
-                rows.append((e.path, f"ndarray {e.dtype} {list(e.shape)}", _human(e.nbytes)))
+                rows.append((e.path, f"ndarray {e.dtype} {list(e.shape)}", human_bytes(e.nbytes)))
             elif isinstance(e, ValueEntry):
                 rows.append((e.path, f"{type(e.value).__name__} = {repr(e.value)[:40]}", ""))
             else:
@@ -527,7 +519,7 @@ class Store:
         n_t = sum(1 for e in self._layout.leaves if isinstance(e, TensorEntry))
         version = f"v{self._layout.version}" if self._layout.version else "foreign HDF5"
         state = ", closed" if self._file is None else ""
-        return f"<tensorstore_h5.Store {self.path!r} ({version}, {len(self)} keys, {n_t} tensors, {_human(self.nbytes)}{state})>"
+        return f"<tensorstore_h5.Store {self.path!r} ({version}, {len(self)} keys, {n_t} tensors, {human_bytes(self.nbytes)}{state})>"
 
 
 def _data_bytes(entry: Any) -> int:

@@ -9,7 +9,6 @@ import torch
 
 import tensorstore_h5 as th5
 from tensorstore_h5 import io
-from tensorstore_h5.dtypes import REGISTRY
 
 from helpers import ALL_DTYPES, assert_same_tensor, random_tensor
 

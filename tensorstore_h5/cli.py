@@ -133,7 +133,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for _key, value in store.items():
             n += 1
             if isinstance(value, torch.Tensor):
-                total += value.numel() * value.elementhuman_bytes()
+                total += value.numel() * value.element_size()
     print(f"{args.file}: OK, {n} keys, {human_bytes(total)} of tensor data read")
     return 0
 

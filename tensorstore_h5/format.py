@@ -12,7 +12,6 @@ import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any, Union
 
 import h5py
@@ -127,26 +126,100 @@ Entry = Union[Container, TensorEntry, ArrayEntry, ValueEntry, ForeignEntry]
 Leaf = Union[TensorEntry, ArrayEntry, ValueEntry, ForeignEntry]
 
 
-@dataclass(frozen=True)
 class Layout:
     """Everything known about a file from one read of its root attributes.
 
-    ``entries`` are in saved (pre-order) order, root first; ``version`` is None for a
-    foreign HDF5 file.
+    Opening checks the structure of every entry (paths unique, parents first) in one fast
+    pass; each entry is fully parsed and checked the first time it is used, so listing the
+    keys of a 10,000-key file costs little. ``version`` is None for a foreign HDF5 file.
     """
 
-    file: str
-    version: int | None
-    entries: tuple[Entry, ...]
-    metadata: Mapping[str, Any]
+    def __init__(self, file: str, version: int | None, metadata: Mapping[str, Any],
+                 items: list[dict[str, Any]] | None = None, entries: Iterable[Entry] | None = None) -> None:
+        self.file = file
+        self.version = version
+        self.metadata = metadata
+        if entries is not None:
+            parsed = list(entries)
+            self._items: list[Any] = [None] * len(parsed)
+            self._parsed: list[Entry | None] = list(parsed)
+            self._index = {e.path: i for i, e in enumerate(parsed)}
+            self._types = {e.path: e.type for e in parsed if isinstance(e, Container)}
+        else:
+            assert items is not None
+            self._items = items
+            self._parsed = [None] * len(items)
+            self._index, self._types = _structure(items, file)
+        self.leaf_paths = [p for p in self._index if p not in self._types]
+        self.container_paths = [p for p in self._types if p]
 
-    @cached_property
-    def by_path(self) -> dict[str, Entry]:
-        return {e.path: e for e in self.entries}
+    def entry(self, path: str) -> Entry | None:
+        """The entry at ``path`` (parsed and checked now if it was not yet), or None."""
+        i = self._index.get(path)
+        return None if i is None else self._parse(i)
+
+    def _parse(self, i: int) -> Entry:
+        entry = self._parsed[i]
+        if entry is None:
+            item = self._items[i]
+            try:
+                entry = _parse_entry(item, self._types, _Earlier(self, i))
+            except (ValueError, TypeError, KeyError) as e:
+                raise FormatError(f"{self.file}: damaged layout entry {i} (key {item.get('path')!r}): {e}") from e
+            self._parsed[i] = entry
+        return entry
+
+    @property
+    def entries(self) -> list[Entry]:
+        """Every entry in saved (pre-order) order, root first."""
+        return [self._parse(i) for i in range(len(self._parsed))]
 
     @property
     def leaves(self) -> list[Leaf]:
         return [e for e in self.entries if not isinstance(e, Container)]
+
+
+class _Earlier:
+    """``get(path)``: the tensor entry at ``path`` if it comes before entry ``limit``."""
+
+    def __init__(self, layout: Layout, limit: int) -> None:
+        self._layout, self._limit = layout, limit
+
+    def get(self, path: Any) -> TensorEntry | None:
+        i = self._layout._index.get(path) if isinstance(path, str) else None
+        if i is None or i >= self._limit:
+            return None
+        entry = self._layout._parse(i)
+        return entry if isinstance(entry, TensorEntry) else None
+
+
+def _structure(items: list[Any], file: str) -> tuple[dict[str, int], dict[str, str]]:
+    """One pass over the raw entries: objects with a str path and a known type, unique
+    paths, the root first, every parent an earlier container. Returns (path -> index,
+    container path -> type)."""
+    index: dict[str, int] = {}
+    types: dict[str, str] = {}
+    containers = tree.CONTAINER_TYPES
+    for i, item in enumerate(items):
+        path = item.get("path") if type(item) is dict else None
+        kind = item.get("type") if type(item) is dict else None
+        why = None
+        if type(path) is not str:
+            why = "path is not a string"
+        elif (i == 0) != (path == ""):
+            why = "the root entry must come first, once"
+        elif path in index:
+            why = "duplicate path"
+        elif path and path.rpartition("/")[0] not in types:
+            why = f"parent {path.rpartition('/')[0]!r} is not an earlier container"
+        elif kind not in containers and kind not in _ENTRY_FIELDS:
+            why = f"unknown entry type {kind!r}"
+        if why is not None:
+            raise FormatError(f"{file}: damaged layout entry {i} (key {path!r}): {why}")
+        index[path] = i
+        if kind in containers:
+            types[path] = kind
+    return index, types
 
 
 # ---------------------------------------------------------------------------- writing
@@ -284,21 +357,7 @@ def parse_layout(text: str, file: str, version: int = FORMAT_VERSION, metadata: 
     items = data.get("entries") if isinstance(data, dict) else None
     if not isinstance(items, list) or not items:
         raise FormatError(f"{file}: damaged layout attribute: no entries")
-    entries: list[Entry] = []
-    types: dict[str, str] = {}
-    tensors: dict[str, TensorEntry] = {}
-    for i, item in enumerate(items):
-        path = item.get("path") if isinstance(item, dict) else None
-        try:
-            entry = _parse_entry(item, types, tensors, first=(i == 0))
-        except (ValueError, TypeError, KeyError) as e:
-            raise FormatError(f"{file}: damaged layout entry {i} (key {path!r}): {e}") from e
-        entries.append(entry)
-        if isinstance(entry, Container):
-            types[entry.path] = entry.type
-        elif isinstance(entry, TensorEntry):
-            tensors[entry.path] = entry
-    return Layout(file, version, tuple(entries), meta)
+    return Layout(file, version, meta, items=items)
 
 
 _CONTAINER_FIELDS = frozenset({"path", "key", "type"})
@@ -309,16 +368,9 @@ _ENTRY_FIELDS = {
 }
 
 
-def _parse_entry(item: Any, types: dict[str, str], tensors: dict[str, TensorEntry], first: bool) -> Entry:
-    if not isinstance(item, dict):
-        raise TypeError("entry is not a JSON object")
-    path, kind = item.get("path"), item.get("type")
-    if not isinstance(path, str):
-        raise TypeError("path is not a string")
-    if first != (path == ""):
-        raise ValueError("the root entry must come first, once")
-    if path in types or path in tensors:
-        raise ValueError("duplicate path")
+def _parse_entry(item: dict[str, Any], types: Mapping[str, str], tensors: _Earlier) -> Entry:
+    """One entry, whose structure :func:`_structure` has already checked."""
+    path, kind = item["path"], item["type"]
     key = _parse_key(item, path, types)
     if kind in tree.CONTAINER_TYPES:
         if not item.keys() <= _CONTAINER_FIELDS:
@@ -367,7 +419,7 @@ def _parse_entry(item: Any, types: dict[str, str], tensors: dict[str, TensorEntr
     return TensorEntry(path, key, spec, shape, dataset, stride, same_as, requires_grad, packed=packed)
 
 
-def _parse_key(item: dict[str, Any], path: str, types: dict[str, str]) -> Any:
+def _parse_key(item: dict[str, Any], path: str, types: Mapping[str, str]) -> Any:
     if path == "":
         if "key" in item:
             raise ValueError("the root has no key")
@@ -417,7 +469,7 @@ def foreign_layout(f: h5py.File, file: str) -> Layout:
         f.visititems(visit)
     except (OSError, RuntimeError, KeyError) as e:
         raise FormatError(f"{file}: cannot read the HDF5 structure: {e}") from e
-    return Layout(file, None, tuple(entries), {})
+    return Layout(file, None, {}, entries=entries)
 
 
 def _foreign_dataset(name: str, key: str, ds: h5py.Dataset) -> Entry:

@@ -156,9 +156,8 @@ class Store:
         except BaseException:
             self._file.close()
             raise
-        leaves = self._layout.leaves
-        self._leaf_paths = [e.path for e in leaves]
-        self._container_paths = [e.path for e in self._layout.entries if isinstance(e, Container) and e.path]
+        self._leaf_paths = self._layout.leaf_paths
+        self._container_paths = self._layout.container_paths
         self._offsets: dict[str, int | None] = {}  # dataset -> raw byte offset, once checked
         self._pack_len: dict[str, int] = {}  # pack dataset -> elements
         self._raw: io.RawFile | None = None
@@ -176,7 +175,7 @@ class Store:
         return len(self._leaf_paths)
 
     def __contains__(self, key: object) -> bool:
-        e = self._layout.by_path.get(key) if isinstance(key, str) else None
+        e = self._layout.entry(key) if isinstance(key, str) else None
         return e is not None and not isinstance(e, Container)
 
     def __getitem__(self, key: str) -> Any:
@@ -190,7 +189,7 @@ class Store:
         return self._read_leaf(entry, {}, None, False, None)
 
     def _entry(self, key: str) -> Any:
-        entry = self._layout.by_path.get(key)
+        entry = self._layout.entry(key)
         if entry is None or isinstance(entry, Container):
             if entry is not None:
                 raise KeyNotFoundError(f"{self.path}: {key!r} is a container, not a leaf; use store.load(select={key!r})")

@@ -51,3 +51,13 @@ def test_user_errors_exit_nonzero_without_traceback(tmp_path) -> None:
         assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.startswith("tensorstore-h5: error:")
     r = run("frobnicate")
     assert r.returncode == 2
+
+
+def test_bench_runs_a_small_selection(tmp_path) -> None:
+    out = tmp_path / "b.json"
+    r = run("bench", "--size-gb", "0.002", "--keys", "16", "--repeat", "1", "--only", "K.,S.tensorstore_h5 save", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"K.tensorstore_h5 open + keys() (10,000 keys)", "K.safetensors safe_open + keys() (10,000 keys)",
+                         "S.tensorstore_h5 save small objects"}
+    assert all(row["best_s"] > 0 for row in rows.values()) and "time: open+keys 10k" in r.stdout

@@ -501,8 +501,13 @@ def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None
             for w in ("S.tensorstore_h5 save small objects", "S.torch.save small objects"):
                 if w not in needs:
                     _run_worker(w, ctx)
+        bar = _contender_bar(len(names) * repeat)
         for name in names:
-            results = [_run_worker(name, ctx) for _ in range(repeat)]
+            results = []
+            for _ in range(repeat):
+                results.append(_run_worker(name, ctx))
+                if bar is not None:
+                    bar.update(1)
             secs = [r["seconds"] for r in results]
             row = {"name": name, "group": CONTENDERS[name][0], "bytes": results[0]["bytes"], "best_s": min(secs),
                    "median_s": statistics.median(secs), "peak_mib": max(r["peak_bytes"] for r in results) / 2**20}
@@ -510,6 +515,8 @@ def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None
             row["median_gbps"] = row["bytes"] / row["median_s"] / 1e9 if row["bytes"] else None
             rows.append(row)
             echo(_format(row))
+        if bar is not None:
+            bar.close()
         _ratios(rows, echo)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -517,6 +524,17 @@ def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None
         with open(out, "w") as f:
             json.dump({"size_gb": size_gb, "keys": keys, "repeat": repeat, "machine": _machine(), "rows": rows}, f, indent=1)
     return rows
+
+
+def _contender_bar(total: int) -> Any:
+    """A progress bar over contender runs in interactive output (None otherwise)."""
+    from .display import interactive
+
+    if not interactive():
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="bench", unit="run", leave=False)
 
 
 def _machine() -> str:

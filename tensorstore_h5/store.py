@@ -25,6 +25,9 @@ __all__ = ["Store", "TensorHandle", "open_store", "Device"]
 PathLike = Union[str, "os.PathLike[str]"]
 Device = Union[None, str, torch.device, Mapping[str, Any], Callable[[str], Any]]
 
+HTML_RATIO_DATASETS = 2000
+"""The HTML view shows compression ratios for at most this many datasets (each needs an open)."""
+
 _H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
 
 
@@ -501,10 +504,16 @@ class Store:
         from .display import tree_html
 
         rows = []
+        budget = HTML_RATIO_DATASETS
         for e in self._layout.leaves:
             if isinstance(e, TensorEntry):
                 desc = f"{e.dtype.name} {list(e.shape)}" + ("" if e.stride is None else f" stride {list(e.stride)}")
                 desc += f" (same as {e.same_as})" if e.same_as else ""
+                if e.packed is None and e.same_as is None and e.nbytes and budget > 0:
+                    budget -= 1
+                    dsid = self._dataset(e)
+                    if compression.describe(dsid.get_create_plist()) is not None:
+                        desc += f", compressed to {dsid.get_storage_size() / e.nbytes:.2f}"
                 rows.append((e.path, desc, human_bytes(e.nbytes)))
             elif isinstance(e, ArrayEntry):
                 rows.append((e.path, f"ndarray {e.dtype} {list(e.shape)}", human_bytes(e.nbytes)))

@@ -164,6 +164,7 @@ class Store:
         self._offsets: dict[str, int | None] = {}  # dataset -> raw byte offset, once checked
         self._pack_len: dict[str, int] = {}  # pack dataset -> elements
         self._raw: io.RawFile | None = None
+        self._stagers: dict[torch.device, Any] = {}  # device -> transfer.Stager, made on first use
 
     # -- mapping-like view ---------------------------------------------------------------
 
@@ -408,10 +409,13 @@ class Store:
             target = _device_for(device, entry.path)
             on_cpu = target is None or torch.device(target).type == "cpu"
             t = self._mapped(entry) if mmap and on_cpu else None
-            if t is None:
-                sel = select_index((), entry.shape)
+            sel = select_index((), entry.shape)
+            if t is None and not on_cpu and entry.stride is None:
+                t = torch.empty(entry.shape, dtype=entry.dtype.torch_dtype, device=target)  # filled through staging buffers
+                self._read_tensor(entry, sel, t, restore_layout=False)
+            elif t is None:
                 t = self._read_tensor(entry, sel, None, restore_layout=True, plan=plan if on_cpu else None)
-            if not on_cpu:
+            if t.device != torch.device(target or "cpu"):
                 t = t.to(target)
             if entry.requires_grad is not None:
                 t = torch.nn.Parameter(t, requires_grad=entry.requires_grad)
@@ -432,6 +436,14 @@ class Store:
             raise FormatError(f"{self.path}: key {entry.path!r}: cannot read the data ({e})") from e
         picked = bits_view(full)[tuple(slice(a, a + (c - 1) * st + 1, st) for a, c, st in zip(sel.start, sel.count, sel.step))]
         bits_view(dest).copy_(picked.reshape(sel.shape))
+
+    def _stager(self, device: torch.device) -> Any:
+        from .transfer import Stager
+
+        stager = self._stagers.get(device)
+        if stager is None:
+            stager = self._stagers[device] = Stager(device)
+        return stager
 
     def _mapped(self, entry: TensorEntry) -> torch.Tensor | None:
         """A file-backed tensor for a row-major, contiguous, unfiltered dataset, else None."""
@@ -457,6 +469,12 @@ class Store:
                 f"the selection needs {sel.shape} and {dtype}"
             )
         base = self._base(entry)
+        if out is not None and _staged(out) and out.is_contiguous() and base is not None and sel.contiguous_rows:
+            if not sel.empty:
+                start = base + sum(a * st for a, st in zip(sel.start, contiguous_stride(entry.shape))) * entry.dtype.itemsize
+                raw = self._rawfile()
+                self._stager(out.device).copy(out, lambda off, buf: raw.pread(start + off, memoryview(buf.numpy())), entry.path)
+            return out
         direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
         dest = out if direct else io.empty(sel.shape, dtype)
         post = (out is not None and not direct) or (out is None and restore_layout and entry.stride is not None)
@@ -528,6 +546,11 @@ class Store:
         version = f"v{self._layout.version}" if self._layout.version else "foreign HDF5"
         state = ", closed" if self._file is None else ""
         return f"<tensorstore_h5.Store {self.path!r} ({version}, {len(self)} keys, {n_t} tensors, {human_bytes(self.nbytes)}{state})>"
+
+
+def _staged(t: torch.Tensor) -> bool:
+    """True for targets filled through staging buffers (device memory, not the CPU's)."""
+    return t.device.type != "cpu"
 
 
 def _data_bytes(entry: Any) -> int:

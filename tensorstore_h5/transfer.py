@@ -1,0 +1,80 @@
+"""Staged copies into device tensors: a few reusable (pinned, on CUDA) host buffers, the read
+of block i+1 overlapping the host-to-device copy of block i on a side stream.
+
+The same pipeline runs against CPU targets (plain buffers, synchronous copies), which is how
+the CPU test suite covers its block boundaries, ordering and buffer reuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .errors import TensorStoreError
+
+__all__ = ["STAGING_BUFFERS", "STAGING_BYTES", "Stager"]
+
+STAGING_BUFFERS = 2
+"""Number of host staging buffers."""
+
+STAGING_BYTES = 64 * 2**20
+"""Size in bytes of each staging buffer."""
+
+Fill = Callable[[int, torch.Tensor], None]  # fill(byte offset in the tensor, uint8 buffer view)
+
+
+class Stager:
+    """Copies bytes produced block by block on the host into contiguous device tensors.
+
+    Args:
+        device: the target device. CUDA targets get pinned buffers, a side stream and
+            events that guard buffer reuse; the caller's current stream waits for the
+            copies at the end of each :meth:`copy`.
+        buffers, buffer_bytes: how many staging buffers, and their size in bytes
+            (default :data:`STAGING_BUFFERS` x :data:`STAGING_BYTES`).
+    """
+
+    def __init__(self, device: torch.device | str, buffers: int | None = None, buffer_bytes: int | None = None) -> None:
+        self.device = torch.device(device)
+        buffers = STAGING_BUFFERS if buffers is None else buffers
+        buffer_bytes = STAGING_BYTES if buffer_bytes is None else buffer_bytes
+        cuda = self.device.type == "cuda"
+        self._bufs = [torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(max(1, buffers))]
+        self._events: list[Any] = [None] * len(self._bufs)
+        self._stream = torch.cuda.Stream(self.device) if cuda else None
+        self.block_bytes = buffer_bytes
+        self.uses = [0] * len(self._bufs)  # blocks staged through each buffer (for tests and stats)
+
+    def copy(self, dest: torch.Tensor, fill: Fill, key: str = "") -> None:
+        """Fill the contiguous tensor ``dest`` (any device) by blocks: ``fill(offset, buf)``
+        must write ``len(buf)`` bytes of the tensor starting at byte ``offset`` into ``buf``."""
+        flat = dest.reshape(-1).view(torch.uint8) if dest.numel() else None
+        if flat is None:
+            return
+        try:
+            for i, start in enumerate(range(0, flat.numel(), self.block_bytes)):
+                slot = i % len(self._bufs)
+                n = min(self.block_bytes, flat.numel() - start)
+                if self._events[slot] is not None:
+                    self._events[slot].synchronize()  # the copy out of this buffer is done
+                buf = self._bufs[slot][:n]
+                fill(start, buf)
+                self.uses[slot] += 1
+                if self._stream is None:
+                    flat[start:start + n].copy_(buf)
+                    continue
+                with torch.cuda.stream(self._stream):
+                    flat[start:start + n].copy_(buf, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+                self._events[slot] = event
+            if self._stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        except torch.cuda.OutOfMemoryError as e:  # pragma: no cover - needs a GPU
+            raise TensorStoreError(f"out of device memory while loading key {key!r} to {self.device}") from e
+
+    def iter_blocks(self, nbytes: int) -> Iterable[tuple[int, int]]:
+        """The (offset, size) blocks that :meth:`copy` uses for a tensor of ``nbytes`` bytes."""
+        return [(s, min(self.block_bytes, nbytes - s)) for s in range(0, nbytes, self.block_bytes)]

@@ -16,7 +16,11 @@ def test_readme_quick_tour_runs(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     blocks = _python_blocks(README.read_text())
     assert blocks
+    import torch
+
     for code in blocks:
+        if "cuda" in code and not torch.cuda.is_available():
+            continue  # the GPU example needs a GPU (and the tour's files)
         code = code.replace("        ...\n", "        assert t is not None\n")
         exec(compile(code, "README.md", "exec"), {})
     assert sorted(os.listdir(tmp_path)) == ["big.h5", "ckpt.h5"]

@@ -18,9 +18,10 @@ def test_readme_quick_tour_runs(tmp_path, monkeypatch) -> None:
     assert blocks
     import torch
 
+    namespace: dict = {}  # blocks build on each other, as a reader's session would
     for code in blocks:
         if "cuda" in code and not torch.cuda.is_available():
             continue  # the GPU example needs a GPU (and the tour's files)
         code = code.replace("        ...\n", "        assert t is not None\n")
-        exec(compile(code, "README.md", "exec"), {})
+        exec(compile(code, "README.md", "exec"), namespace)
     assert sorted(os.listdir(tmp_path)) == ["big.h5", "ckpt.h5"]

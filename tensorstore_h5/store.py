@@ -361,11 +361,11 @@ class Store:
             shape = dsid.shape
             dcpl = dsid.get_create_plist()
             ftype = dsid.get_type()
-            chunked = dcpl.get_layout() == h5py.h5d.CHUNKED
-            filtered = chunked and dcpl.get_nfilters() > 0
+            layout = dcpl.get_layout()
+            filtered = layout == h5py.h5d.CHUNKED and dcpl.get_nfilters() > 0
+            same_type = isinstance(entry, TensorEntry) and ftype == entry.dtype.h5_type
             offset = None
-            if isinstance(entry, TensorEntry) and dcpl.get_layout() == h5py.h5d.CONTIGUOUS and ftype == entry.dtype.h5_type \
-                    and not dcpl.get_external_count():
+            if same_type and layout == h5py.h5d.CONTIGUOUS and not dcpl.get_external_count():
                 offset = dsid.get_offset()
         except _H5_ERRORS as e:
             raise FormatError(f"{self.path}: key {entry.path!r}: unreadable dataset header ({e})") from e
@@ -378,7 +378,7 @@ class Store:
             raise FormatError(f"{self.path}: key {entry.path!r}: dataset shape {shape} does not match the layout's {entry.shape}")
         else:
             nbytes = entry.nbytes
-        if isinstance(entry, TensorEntry) and not entry.foreign and ftype != entry.dtype.h5_type:
+        if isinstance(entry, TensorEntry) and not entry.foreign and not same_type:
             raise FormatError(f"{self.path}: key {entry.path!r}: dataset type does not match torch dtype {entry.dtype.name}")
         if offset is not None and offset + nbytes > self._rawfile().size:
             raise FormatError(
@@ -469,9 +469,11 @@ class Store:
                 f"the selection needs {sel.shape} and {dtype}"
             )
         base = self._base(entry)
-        if out is not None and _staged(out) and out.is_contiguous() and base is not None and sel.contiguous_rows:
+        start = None  # file offset of the selection's first byte when it is one raw byte range
+        if base is not None and sel.contiguous_rows:
+            start = base + sum(a * st for a, st in zip(sel.start, contiguous_stride(entry.shape))) * entry.dtype.itemsize
+        if out is not None and _staged(out) and out.is_contiguous() and start is not None:
             if not sel.empty:
-                start = base + sum(a * st for a, st in zip(sel.start, contiguous_stride(entry.shape))) * entry.dtype.itemsize
                 raw = self._rawfile()
                 self._stager(out.device).copy(out, lambda off, buf: raw.pread(start + off, memoryview(buf.numpy())), entry.path)
             return out
@@ -479,10 +481,9 @@ class Store:
         dest = out if direct else io.empty(sel.shape, dtype)
         post = (out is not None and not direct) or (out is None and restore_layout and entry.stride is not None)
         if not sel.empty:
-            if base is not None and sel.contiguous_rows:
-                first = sum(a * st for a, st in zip(sel.start, contiguous_stride(entry.shape)))
+            if start is not None:
                 queue = plan if plan is not None and not post else io.ReadPlan(self._rawfile())
-                queue.add(base + first * entry.dtype.itemsize, dest)
+                queue.add(start, dest)
                 if queue is not plan:
                     self._run(queue)
             else:

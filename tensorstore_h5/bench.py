@@ -430,6 +430,73 @@ def _(ctx: Ctx) -> Timed:
     return (lambda: torch.load(ctx.path("small.pt"), weights_only=True)), 2000 * (4 + 128)
 
 
+# -- GPU (--gpu; need CUDA): where the weights end up
+
+
+def _cuda() -> torch.device:
+    if not torch.cuda.is_available():
+        raise RuntimeError("the G. contenders need a CUDA device")
+    torch.empty(1, device="cuda")  # create the context before the clock starts
+    torch.cuda.synchronize()
+    return torch.device("cuda")
+
+
+def _synced(fn: Callable[[], Any]) -> Callable[[], Any]:
+    def op() -> Any:
+        result = fn()
+        torch.cuda.synchronize()
+        return result
+    return op
+
+
+@contender("G.L.file read into pinned memory, 2 threads", "gpu-limit")
+def _(ctx: Ctx) -> Timed:
+    _cuda()
+    n = os.path.getsize(ctx.path("raw.bin"))
+    buf = torch.zeros(n, dtype=torch.uint8).pin_memory()
+    return (lambda: _preadv_all(ctx.path("raw.bin"), [buf], 2)), n
+
+
+@contender("G.L.pinned host-to-device copy", "gpu-limit")
+def _(ctx: Ctx) -> Timed:
+    dev = _cuda()
+    n = os.path.getsize(ctx.path("raw.bin"))
+    src = torch.zeros(n, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(n, dtype=torch.uint8, device=dev)
+    return _synced(lambda: dst.copy_(src, non_blocking=True)), n
+
+
+@contender("G.tensorstore_h5 load(device=cuda)", "gpu")
+def _(ctx: Ctx) -> Timed:
+    import tensorstore_h5 as th5
+
+    _cuda()
+    return _synced(lambda: th5.load(ctx.path("ckpt.h5"), device="cuda")), _file_data(ctx)
+
+
+@contender("G.tensorstore_h5 load_into (CUDA targets)", "gpu")
+def _(ctx: Ctx) -> Timed:
+    import tensorstore_h5 as th5
+
+    dev = _cuda()
+    target = {k: v.to(dev) for k, v in _shapes(ctx).items()}
+    return _synced(lambda: th5.load_into(target, ctx.path("ckpt.h5"))), _file_data(ctx)
+
+
+@contender("G.torch.load(map_location=cuda)", "gpu")
+def _(ctx: Ctx) -> Timed:
+    _cuda()
+    return _synced(lambda: torch.load(ctx.path("ckpt.pt"), weights_only=True, map_location="cuda")), _file_data(ctx)
+
+
+@contender("G.safetensors load_file(device=cuda)", "gpu")
+def _(ctx: Ctx) -> Timed:
+    from safetensors.torch import load_file
+
+    _cuda()
+    return _synced(lambda: load_file(ctx.path("ckpt.safetensors"), device="cuda")), _file_data(ctx)
+
+
 def prepare_keys_files(ctx: Ctx) -> None:
     """The 10,000-key files for the K. contenders (not timed)."""
     import tensorstore_h5 as th5
@@ -471,6 +538,12 @@ ORDER = [
     "S.tensorstore_h5 save small objects", "S.torch.save small objects",
     "S.tensorstore_h5 load small objects", "S.torch.load small objects",
 ]
+GPU_ORDER = [
+    "G.L.file read into pinned memory, 2 threads", "G.L.pinned host-to-device copy",
+    "G.tensorstore_h5 load(device=cuda)", "G.tensorstore_h5 load_into (CUDA targets)",
+    "G.torch.load(map_location=cuda)", "G.safetensors load_file(device=cuda)",
+]
+"""Run with ``--gpu`` (they need CUDA)."""
 
 
 def _run_worker(name: str, ctx: Ctx) -> dict[str, Any]:
@@ -482,15 +555,17 @@ def _run_worker(name: str, ctx: Ctx) -> dict[str, Any]:
 
 
 def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None = None,
-        workdir: str | None = None, out: str | None = None, echo: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Run the contenders (``only``: a substring filter) and print the table; returns the rows."""
-    names = [n for n in ORDER if only is None or any(o in n for o in only.split(","))]
+        workdir: str | None = None, out: str | None = None, echo: Callable[[str], None] = print,
+        gpu: bool = False) -> list[dict[str, Any]]:
+    """Run the contenders (``only``: a substring filter; ``gpu``: add the CUDA ones) and print
+    the table; returns the rows."""
+    names = [n for n in ORDER + (GPU_ORDER if gpu else []) if only is None or any(o in n for o in only.split(","))]
     tmp = tempfile.mkdtemp(prefix="th5-bench-", dir=workdir)
     ctx = Ctx(tmp, int(size_gb * 1e9), keys)
     rows: list[dict[str, Any]] = []
     try:
         needs = set(names)
-        if any(n.startswith(("R.", "L.")) for n in needs):
+        if any(n.startswith(("R.", "L.", "G.")) for n in needs):
             for w in ("L.write raw bytes", "W.tensorstore_h5 save", "W.torch.save", "W.safetensors save_file",
                       "W.pickle header + raw storages", "W.naive h5py create_dataset(data=t.numpy())"):
                 if w not in needs:
@@ -573,6 +648,16 @@ def _ratios(rows: list[dict[str, Any]], echo: Callable[[str], None]) -> None:
           "time: open+keys 10k / safetensors (<= 2)", True)
     ratio("S.tensorstore_h5 save small objects", "S.torch.save small objects", "small objects save vs torch.save (>= 1)")
     ratio("S.tensorstore_h5 load small objects", "S.torch.load small objects", "small objects load vs torch.load (>= 1)")
+    limits = [by[n]["best_s"] for n in GPU_ORDER[:2] if n in by]
+    if len(limits) == 2:
+        for name in ("G.tensorstore_h5 load(device=cuda)", "G.tensorstore_h5 load_into (CUDA targets)"):
+            if name in by:
+                echo(f"  {name[2:] + ' / min(read pinned, H2D) (>= 0.85)':<70} {max(limits) / by[name]['best_s']:6.2f}")
+        ratio("G.tensorstore_h5 load(device=cuda)", "G.torch.load(map_location=cuda)", "GPU load vs torch.load(map_location=cuda)")
+        ratio("G.tensorstore_h5 load(device=cuda)", "G.safetensors load_file(device=cuda)", "GPU load vs safetensors load_file(cuda)")
+        if "G.tensorstore_h5 load(device=cuda)" in by:
+            echo(f"  {'GPU load peak host RSS growth (MiB; <= staging 128 + 256)':<70} "
+                 f"{by['G.tensorstore_h5 load(device=cuda)']['peak_mib']:6.0f}")
     if "R.tensorstore_h5 items() streaming" in by and "R.safetensors safe_open streaming" in by:
         echo(f"  {'streaming peak RSS growth (MiB), tensorstore_h5 vs safetensors':<70} "
              f"{by['R.tensorstore_h5 items() streaming']['peak_mib']:6.0f} vs "
@@ -598,7 +683,10 @@ def main(argv: list[str] | None = None) -> int:
             with open(a.json, "w") as f:
                 json.dump({"machine": _machine(), "rows": rows}, f, indent=1)
         return 0
-    run(a.size_gb, a.keys, a.repeat, a.only, a.dir, a.json)
+    if a.gpu and not torch.cuda.is_available():
+        print("tensorstore-h5 bench --gpu: CUDA is not available on this machine", file=sys.stderr)
+        return 1
+    run(a.size_gb, a.keys, a.repeat, a.only, a.dir, a.json, gpu=a.gpu)
     return 0
 
 
@@ -610,6 +698,7 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--dir", help="where to put the files (default: the temp dir)")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--compression", action="store_true", help="measure the compression presets on real weights instead")
+    p.add_argument("--gpu", action="store_true", help="add the CUDA contenders (G.): loads to the GPU against their limits")
 
 
 if __name__ == "__main__":

@@ -159,8 +159,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for flag, value in (("--only", args.only), ("--dir", args.dir), ("--json", args.json)):
         if value:
             argv += [flag, value]
-    if args.compression:
-        argv.append("--compression")
+    for flag in ("compression", "gpu"):
+        if getattr(args, flag):
+            argv.append("--" + flag)
     return bench.main(argv)
 
 

@@ -12,11 +12,12 @@ tensor's memory; non-contiguous or non-CPU tensors are written in row blocks of 
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import threading
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import h5py
 import numpy as np
@@ -27,7 +28,7 @@ from .slicing import Selection, rows
 
 __all__ = [
     "BLOCK_BYTES", "IO_THREADS", "PIECE_BYTES", "HUGEPAGE_MIN_BYTES", "tensor_bytes", "empty", "read_hdf5",
-    "write_hdf5", "write_tensor", "row_blocks", "restore_layout", "RawFile", "ReadPlan",
+    "write_hdf5", "write_tensor", "row_blocks", "restore_layout", "RawFile", "ReadPlan", "run_jobs",
 ]
 
 BLOCK_BYTES = 64 * 2**20
@@ -127,16 +128,20 @@ class RawFile:
 
 
 class ReadPlan:
-    """Byte ranges to read into tensors, run together by the thread pool.
+    """Byte ranges to read into tensors (and other jobs, such as chunk decodes), run by the
+    thread pool while the plan is still being built.
 
-    Large ranges are split into :data:`PIECE_BYTES` pieces and small ones grouped, so both
-    cores share the page faults and copies of a full load.
+    Jobs are grouped into batches of about :data:`PIECE_BYTES` (large ranges are split into
+    pieces of that size); each full batch starts on the pool at once, so the caller's work of
+    finding the next tensors overlaps the reads of the previous ones. :meth:`run` runs the
+    last batch on the calling thread and waits for all of them.
     """
 
     def __init__(self, raw: RawFile) -> None:
         self._raw = raw
-        self._tasks: list[list[tuple[int, memoryview]]] = [[]]
+        self._batch: list[Callable[[], None]] = []
         self._pending = 0
+        self._futures: list[Future[None]] = []
         self.nbytes = 0
 
     def add(self, offset: int, out: torch.Tensor) -> None:
@@ -144,27 +149,64 @@ class ReadPlan:
         view = memoryview(tensor_bytes(out)) if out.numel() else memoryview(b"")
         for start in range(0, len(view), PIECE_BYTES):
             piece = view[start:start + PIECE_BYTES]
-            self._tasks[-1].append((offset + start, piece))
-            self._pending += len(piece)
-            if self._pending >= PIECE_BYTES:
-                self._tasks.append([])
-                self._pending = 0
-        self.nbytes += len(view)
+            self.add_job(functools.partial(self._raw.pread, offset + start, piece), len(piece))
 
-    def _run_task(self, task: list[tuple[int, memoryview]]) -> None:
-        for offset, view in task:
-            self._raw.pread(offset, view)
+    def add_job(self, job: Callable[[], None], cost: int) -> None:
+        """Run ``job()``, which costs about as much as reading ``cost`` bytes, with the others."""
+        self._batch.append(job)
+        self._pending += cost
+        self.nbytes += cost
+        if self._pending >= PIECE_BYTES and IO_THREADS > 1:
+            self._futures.append(_executor().submit(_run_all, self._batch))
+            self._batch, self._pending = [], 0
 
     def run(self) -> None:
-        """Do every read; raises the first error (EOFError, OSError)."""
-        tasks = [t for t in self._tasks if t]
-        self._tasks, self._pending = [[]], 0
-        if len(tasks) <= 1 or IO_THREADS == 1:
-            for task in tasks:
-                self._run_task(task)
-            return
-        for future in [_executor().submit(self._run_task, t) for t in tasks]:
-            future.result()
+        """Finish every job; raises the first error (EOFError, OSError, ...) once all are done."""
+        batch, futures = self._batch, self._futures
+        self._batch, self._pending, self._futures = [], 0, []
+        error: BaseException | None = None
+        try:
+            _run_all(batch)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the pool's jobs end
+            error = e
+        for f in futures:
+            e = f.exception()
+            error = error or e
+        if error is not None:
+            raise error
+
+    def abandon(self) -> None:
+        """Drop the jobs not started yet and wait for the running ones (after an error)."""
+        futures, self._futures, self._batch = self._futures, [], []
+        for f in futures:
+            f.cancel()
+        for f in futures:
+            if not f.cancelled():
+                f.exception()
+
+
+def _run_all(jobs: list[Callable[[], None]]) -> None:
+    for job in jobs:
+        job()
+
+
+def run_jobs(jobs: list[Callable[[], None]]) -> None:
+    """Run independent jobs on the I/O thread pool, the last one on the calling thread; waits
+    for all of them and raises the first error."""
+    if len(jobs) <= 1 or IO_THREADS == 1:
+        for job in jobs:
+            job()
+        return
+    futures = [_executor().submit(job) for job in jobs[:-1]]
+    error: BaseException | None = None
+    try:
+        jobs[-1]()
+    except BaseException as e:  # noqa: BLE001 - re-raised below, after the pool's jobs end
+        error = e
+    for f in futures:
+        error = error or f.exception()
+    if error is not None:
+        raise error
 
 
 def tensor_bytes(t: torch.Tensor) -> np.ndarray:
@@ -243,23 +285,24 @@ def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 
 
 def restore_layout(values: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
-    """A tensor with ``values``' logical contents (contiguous CPU) laid out with ``stride``.
+    """A tensor with ``values``' logical contents (contiguous, any device) laid out with
+    ``stride``, on the same device.
 
     Dense permutations (transposed, channels_last) are one copy; layouts with gaps or
     overlaps (steps, expand) scatter each element to its storage offset.
     """
     shape = tuple(values.shape)
-    out = torch.empty_strided(shape, stride, dtype=values.dtype)
+    out = torch.empty_strided(shape, stride, dtype=values.dtype, device=values.device)
     if values.numel() == 0:
         return out
     if _dense(shape, stride):
         bits_view(out).copy_(bits_view(values))
         return out
     storage = bits_view(out.as_strided((out.untyped_storage().nbytes() // out.element_size(),), (1,), 0))
-    offsets = torch.zeros((), dtype=torch.int64)
+    offsets = torch.zeros((), dtype=torch.int64, device=values.device)
     for dim, (n, st) in enumerate(zip(shape, stride)):
         view = [1] * len(shape)
         view[dim] = n
-        offsets = offsets + (torch.arange(n, dtype=torch.int64) * st).reshape(view)
+        offsets = offsets + (torch.arange(n, dtype=torch.int64, device=values.device) * st).reshape(view)
     storage[offsets.reshape(-1)] = bits_view(values).reshape(-1)
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -11,7 +12,7 @@ import h5py
 import numpy as np
 import torch
 
-from . import compression, io, tree
+from . import codecs, compression, io, transfer, tree
 from .display import Progress, human_bytes
 from .dtypes import bits_view
 from .errors import FormatError, KeyNotFoundError, MismatchError
@@ -163,6 +164,7 @@ class Store:
         self._container_paths = self._layout.container_paths
         self._offsets: dict[str, int | None] = {}  # dataset -> raw byte offset, once checked
         self._pack_len: dict[str, int] = {}  # pack dataset -> elements
+        self._chunks: dict[str, codecs.RowChunks | None] = {}  # filtered dataset -> chunk index (None: HDF5 decodes)
         self._raw: io.RawFile | None = None
         self._stagers: dict[torch.device, Any] = {}  # device -> transfer.Stager, made on first use
 
@@ -288,6 +290,10 @@ class Store:
                     bar.update(_data_bytes(entry))
             if plan is not None:
                 self._run(plan)
+        except BaseException:
+            if plan is not None:
+                plan.abandon()
+            raise
         finally:
             bar.close()
         return tree.inflate(items)
@@ -310,6 +316,10 @@ class Store:
                 bar.update(handle.nbytes)
             if plan is not None:
                 self._run(plan)
+        except BaseException:
+            if plan is not None:
+                plan.abandon()
+            raise
         finally:
             bar.close()
 
@@ -387,7 +397,27 @@ class Store:
             )
         if filtered:
             compression.ensure_plugins()
+            if same_type and not packed:
+                try:
+                    self._chunks[entry.dataset] = codecs.row_chunks(dsid, entry.dtype.itemsize)
+                except _H5_ERRORS as e:
+                    raise FormatError(f"{self.path}: key {entry.path!r}: unreadable chunk index ({e})") from e
         return offset
+
+    def _row_chunks(self, entry: TensorEntry) -> codecs.RowChunks | None:
+        """The chunk index of a filtered dataset that codecs can decode in parallel, else None."""
+        if entry.dataset not in self._offsets:
+            self._dataset(entry)  # the first check indexes the chunks
+        return self._chunks.get(entry.dataset)
+
+    def _keyed(self, job: Callable[[], None], entry: TensorEntry) -> Callable[[], None]:
+        """``job`` with read errors turned into a FormatError naming the file and key."""
+        def run() -> None:
+            try:
+                job()
+            except (OSError, EOFError) as e:  # h5py reports read failures as OSError
+                raise FormatError(f"{self.path}: key {entry.path!r}: cannot read the data ({e})") from e
+        return run
 
     def _compression(self, entry: TensorEntry) -> dict[str, Any] | None:
         return compression.describe(self._dataset(entry).get_create_plist())
@@ -407,12 +437,14 @@ class Store:
         t = cache.get(origin)
         if t is None:
             target = _device_for(device, entry.path)
-            on_cpu = target is None or torch.device(target).type == "cpu"
+            on_cpu = _host(target)
             t = self._mapped(entry) if mmap and on_cpu else None
             sel = select_index((), entry.shape)
-            if t is None and not on_cpu and entry.stride is None:
-                t = torch.empty(entry.shape, dtype=entry.dtype.torch_dtype, device=target)  # filled through staging buffers
+            if t is None and not on_cpu:  # allocated on the device, filled through the staging buffers
+                t = transfer.device_empty(entry.shape, entry.dtype.torch_dtype, target, entry.path)
                 self._read_tensor(entry, sel, t, restore_layout=False)
+                if entry.stride is not None:
+                    t = io.restore_layout(t, entry.stride)  # on the device
             elif t is None:
                 t = self._read_tensor(entry, sel, None, restore_layout=True, plan=plan if on_cpu else None)
             if t.device != torch.device(target or "cpu"):
@@ -438,12 +470,33 @@ class Store:
         bits_view(dest).copy_(picked.reshape(sel.shape))
 
     def _stager(self, device: torch.device) -> Any:
-        from .transfer import Stager
-
         stager = self._stagers.get(device)
         if stager is None:
-            stager = self._stagers[device] = Stager(device)
+            stager = self._stagers[device] = transfer.Stager(device)
         return stager
+
+    def _hdf5_rows(self, entry: TensorEntry, sel: Selection, limit: int) -> tuple[Any, int]:
+        """For staging a row range that only HDF5 can read (other filters, type conversion):
+        ``(fill, align)`` reading whole rows (whole chunks where chunks are row blocks) into
+        each staging buffer of ``limit`` bytes, or ``(None, 1)`` when the selection is not a
+        row range or one row does not fit a buffer."""
+        shape = entry.shape
+        if entry.packed is not None or not shape or any(st != 1 for st in sel.step) or sel.count[1:] != shape[1:]:
+            return None, 1
+        row = entry.dtype.itemsize * math.prod(shape[1:])
+        if row == 0 or row > limit:
+            return None, 1
+        align = row
+        dcpl = self._dataset(entry).get_create_plist()
+        if dcpl.get_layout() == h5py.h5d.CHUNKED and tuple(dcpl.get_chunk()[1:]) == tuple(shape[1:]):
+            if dcpl.get_chunk()[0] * row <= limit:
+                align = dcpl.get_chunk()[0] * row
+        first = sel.start[0]
+
+        def fill(off: int, buf: torch.Tensor) -> None:
+            a = first + off // row
+            self._read_hdf5(entry, select_index(slice(a, a + buf.numel() // row), shape), buf)
+        return fill, align
 
     def _mapped(self, entry: TensorEntry) -> torch.Tensor | None:
         """A file-backed tensor for a row-major, contiguous, unfiltered dataset, else None."""
@@ -469,25 +522,48 @@ class Store:
                 f"the selection needs {sel.shape} and {dtype}"
             )
         base = self._base(entry)
-        start = None  # file offset of the selection's first byte when it is one raw byte range
-        if base is not None and sel.contiguous_rows:
-            start = base + sum(a * st for a, st in zip(sel.start, contiguous_stride(entry.shape))) * entry.dtype.itemsize
-        if out is not None and _staged(out) and out.is_contiguous() and start is not None:
-            if not sel.empty:
-                raw = self._rawfile()
-                self._stager(out.device).copy(out, lambda off, buf: raw.pread(start + off, memoryview(buf.numpy())), entry.path)
-            return out
+        raw = self._rawfile()
+        start = chunks = None  # the selection as one byte range: in the file, or in decoded chunks
+        if sel.contiguous_rows:
+            skip = sum(a * st for a, st in zip(sel.start, contiguous_stride(entry.shape))) * entry.dtype.itemsize
+            if base is not None:
+                start = base + skip
+            else:
+                chunks = self._row_chunks(entry)
+
+        def fetch(off: int, buf: np.ndarray) -> None:  # bytes [off, off + len(buf)) of the selection
+            if chunks is not None:
+                chunks.read(raw.pread, skip + off, buf)
+            else:
+                raw.pread(start + off, memoryview(buf))
+
+        ranged = start is not None or chunks is not None
+        if out is not None and _staged(out) and out.is_contiguous() and not sel.empty:
+            if start is not None and _gds(out) and transfer.gds_read(self.path, start, out):
+                return out
+            stage = None
+            if ranged:
+                align = chunks.chunk_bytes if chunks is not None else 1
+                stage = lambda off, buf: fetch(off, buf.numpy())  # noqa: E731
+            else:
+                stage, align = self._hdf5_rows(entry, sel, self._stager(out.device).block_bytes)
+            if stage is not None:
+                self._keyed(lambda: self._stager(out.device).copy(out, stage, entry.path, align=align), entry)()
+                return out
         direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
         dest = out if direct else io.empty(sel.shape, dtype)
         post = (out is not None and not direct) or (out is None and restore_layout and entry.stride is not None)
         if not sel.empty:
-            if start is not None:
-                queue = plan if plan is not None and not post else io.ReadPlan(self._rawfile())
-                queue.add(start, dest)
-                if queue is not plan:
-                    self._run(queue)
-            else:
+            queue = plan if plan is not None and not post else io.ReadPlan(self._rawfile())
+            if not ranged:
                 self._read_hdf5(entry, sel, dest)
+            elif chunks is None:
+                queue.add(start, dest)
+            else:
+                for job in chunks.tasks(raw.pread, skip, io.tensor_bytes(dest)):
+                    queue.add_job(self._keyed(job, entry), job.n * codecs.DECODE_COST)
+            if queue is not plan:
+                self._run(queue)
         if out is None:
             if restore_layout and entry.stride is not None:
                 return io.restore_layout(dest, entry.stride)
@@ -552,6 +628,16 @@ class Store:
 def _staged(t: torch.Tensor) -> bool:
     """True for targets filled through staging buffers (device memory, not the CPU's)."""
     return t.device.type != "cpu"
+
+
+def _host(device: Any) -> bool:
+    """True when a leaf for ``device`` is read into host memory (None or a CPU device)."""
+    return device is None or torch.device(device).type == "cpu"
+
+
+def _gds(t: torch.Tensor) -> bool:
+    """True for targets that GPUDirect Storage can fill (CUDA memory)."""
+    return t.device.type == "cuda"
 
 
 def _data_bytes(entry: Any) -> int:

@@ -14,13 +14,18 @@ import torch
 
 from .errors import TensorStoreError
 
-__all__ = ["STAGING_BUFFERS", "STAGING_BYTES", "Stager"]
+__all__ = ["STAGING_BUFFERS", "STAGING_BYTES", "GDS", "Stager", "device_empty", "gds_read"]
 
 STAGING_BUFFERS = 2
 """Number of host staging buffers."""
 
 STAGING_BYTES = 64 * 2**20
 """Size in bytes of each staging buffer."""
+
+GDS: bool | None = None
+"""GPUDirect Storage through ``kvikio``: None (default) uses it for contiguous uncompressed
+datasets going to CUDA when kvikio is installed and reports GDS (not its POSIX compatibility
+mode); False never; True also in compatibility mode. Any failure falls back to staging."""
 
 Fill = Callable[[int, torch.Tensor], None]  # fill(byte offset in the tensor, uint8 buffer view)
 
@@ -47,16 +52,21 @@ class Stager:
         self.block_bytes = buffer_bytes
         self.uses = [0] * len(self._bufs)  # blocks staged through each buffer (for tests and stats)
 
-    def copy(self, dest: torch.Tensor, fill: Fill, key: str = "") -> None:
+    def copy(self, dest: torch.Tensor, fill: Fill, key: str = "", align: int = 1) -> None:
         """Fill the contiguous tensor ``dest`` (any device) by blocks: ``fill(offset, buf)``
-        must write ``len(buf)`` bytes of the tensor starting at byte ``offset`` into ``buf``."""
+        must write ``len(buf)`` bytes of the tensor starting at byte ``offset`` into ``buf``.
+
+        ``align``: blocks start at multiples of it where a buffer holds at least one such
+        unit (compressed data passes its chunk size, so no chunk is decoded twice).
+        """
         flat = dest.reshape(-1).view(torch.uint8) if dest.numel() else None
         if flat is None:
             return
+        block = self.block_size(align)
         try:
-            for i, start in enumerate(range(0, flat.numel(), self.block_bytes)):
+            for i, start in enumerate(range(0, flat.numel(), block)):
                 slot = i % len(self._bufs)
-                n = min(self.block_bytes, flat.numel() - start)
+                n = min(block, flat.numel() - start)
                 if self._events[slot] is not None:
                     self._events[slot].synchronize()  # the copy out of this buffer is done
                 buf = self._bufs[slot][:n]
@@ -75,6 +85,64 @@ class Stager:
         except torch.cuda.OutOfMemoryError as e:  # pragma: no cover - needs a GPU
             raise TensorStoreError(f"out of device memory while loading key {key!r} to {self.device}") from e
 
-    def iter_blocks(self, nbytes: int) -> Iterable[tuple[int, int]]:
+    def block_size(self, align: int = 1) -> int:
+        """Bytes per block: the largest multiple of ``align`` that fits a buffer (the buffer
+        size when ``align`` is larger than a buffer)."""
+        if 1 < align <= self.block_bytes:
+            return self.block_bytes // align * align
+        return self.block_bytes
+
+    def iter_blocks(self, nbytes: int, align: int = 1) -> Iterable[tuple[int, int]]:
         """The (offset, size) blocks that :meth:`copy` uses for a tensor of ``nbytes`` bytes."""
-        return [(s, min(self.block_bytes, nbytes - s)) for s in range(0, nbytes, self.block_bytes)]
+        block = self.block_size(align)
+        return [(s, min(block, nbytes - s)) for s in range(0, nbytes, block)]
+
+
+def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Any, key: str) -> torch.Tensor:
+    """``torch.empty`` on ``device``; out of device memory raises TensorStoreError naming ``key``."""
+    try:
+        return torch.empty(shape, dtype=dtype, device=device)
+    except torch.OutOfMemoryError as e:
+        raise TensorStoreError(f"out of device memory allocating key {key!r} ({list(shape)} {dtype}) on {device}") from e
+
+
+_kvikio_module: Any = False  # not looked up yet
+
+
+def _kvikio() -> Any | None:
+    """The kvikio module when GPUDirect Storage should be used (see :data:`GDS`), else None."""
+    global _kvikio_module
+    if GDS is False:
+        return None
+    if _kvikio_module is False:
+        try:
+            import kvikio
+            import kvikio.defaults
+        except Exception:  # ImportError, or a broken CUDA install
+            kvikio = None
+        _kvikio_module = kvikio
+    kvikio = _kvikio_module
+    if kvikio is None or GDS is True:
+        return kvikio
+    prefers = getattr(kvikio.defaults, "is_compat_mode_preferred", None)
+    try:
+        compat = prefers() if prefers is not None else bool(kvikio.defaults.compat_mode())
+    except Exception:
+        return None
+    return None if compat else kvikio
+
+
+def gds_read(path: str, offset: int, dest: torch.Tensor) -> bool:
+    """Read ``dest.nbytes`` bytes at file ``offset`` straight into the contiguous CUDA tensor
+    ``dest`` with kvikio. Returns False (having changed nothing that a staged read will not
+    overwrite) when GDS is unavailable or the read fails."""
+    kvikio = _kvikio()
+    if kvikio is None or dest.numel() == 0:
+        return False
+    nbytes = dest.numel() * dest.element_size()
+    try:
+        with kvikio.CuFile(path, "r") as f:
+            got = f.pread(dest.reshape(-1).view(torch.uint8), nbytes, offset).get()
+    except Exception:
+        return False
+    return got == nbytes

@@ -61,3 +61,14 @@ def test_bench_runs_a_small_selection(tmp_path) -> None:
     assert set(rows) == {"K.tensorstore_h5 open + keys() (10,000 keys)", "K.safetensors safe_open + keys() (10,000 keys)",
                          "S.tensorstore_h5 save small objects"}
     assert all(row["best_s"] > 0 for row in rows.values()) and "time: open+keys 10k" in r.stdout
+
+
+def test_bench_gpu_contenders_are_opt_in() -> None:
+    from tensorstore_h5 import bench
+
+    assert all(n.startswith("G.") and n in bench.CONTENDERS for n in bench.GPU_ORDER)
+    assert not any(n.startswith("G.") for n in bench.ORDER)  # a plain bench never needs CUDA
+    if torch.cuda.is_available():
+        return
+    r = run("bench", "--gpu", "--only", "G.", "--size-gb", "0.001", "--repeat", "1")
+    assert r.returncode == 1 and "CUDA is not available" in r.stderr

@@ -9,7 +9,7 @@ import tensorstore_h5 as th5
 from tensorstore_h5 import store as store_mod
 from tensorstore_h5.transfer import Stager
 
-from helpers import random_tensor
+from helpers import assert_same_tensor, random_tensor
 
 
 @pytest.mark.parametrize("nbytes", [1, 999, 1000, 1001, 4567])
@@ -60,11 +60,147 @@ def test_store_reads_through_staging_buffers(tmp_path, staged_cpu) -> None:
 def test_cuda_targets(tmp_path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("CUDA is not available")
-    sd = {"w": torch.randn(1000, 300), "b": torch.randn(300), "t": torch.randn(30, 40).t()}
-    th5.save(sd, tmp_path / "g.h5")
+    smooth = (torch.randn(3000, 64) * 0.02).to(torch.bfloat16)
+    sd = {"w": torch.randn(1000, 300), "b": torch.randn(300), "t": torch.randn(30, 40).t(), "step": torch.tensor(3),
+          "lz4": smooth, "zstd": smooth.float(), "expanded": torch.arange(9.0).expand(4, 9)}
+    th5.save(sd, tmp_path / "g.h5", compression=lambda p, t: p if p in ("lz4", "zstd") else None)
     out = th5.load(tmp_path / "g.h5", device="cuda")
-    assert all(out[k].is_cuda and torch.equal(out[k].cpu(), sd[k]) for k in sd)
-    target = {k: torch.empty_like(v, device="cuda") for k, v in sd.items()}
+    for k in sd:
+        assert out[k].is_cuda and out[k].stride() == sd[k].stride(), k
+        assert_same_tensor(out[k].cpu(), sd[k])
+    target = {k: torch.empty_like(v, device="cuda") for k, v in sd.items() if v.is_contiguous()}
     ptrs = {k: v.data_ptr() for k, v in target.items()}
-    th5.load_into(target, tmp_path / "g.h5")
-    assert all(torch.equal(target[k].cpu(), sd[k]) and target[k].data_ptr() == ptrs[k] for k in sd)
+    th5.load_into(target, tmp_path / "g.h5", strict=False)
+    assert all(torch.equal(target[k].cpu(), sd[k]) and target[k].data_ptr() == ptrs[k] for k in target)
+    with th5.open(tmp_path / "g.h5") as s:
+        rows = torch.zeros(100, 64, dtype=torch.bfloat16, device="cuda")
+        s["lz4"].read(out=rows[10:60], index=slice(2000, 2050))  # a slice into part of a CUDA tensor
+        assert torch.equal(rows[10:60].cpu(), smooth[2000:2050]) and not rows[:10].any() and not rows[60:].any()
+        streamed = dict(s.items(device={"lz4": "cuda", "*": "cpu"}))
+        assert streamed["lz4"].is_cuda and not streamed["w"].is_cuda
+        with pytest.raises(th5.MismatchError):
+            s["w"].read(out=torch.empty(1000, 300, dtype=torch.float16, device="cuda"))
+
+
+@pytest.fixture()
+def device_cpu(staged_cpu, monkeypatch):
+    """Treat the CPU as a device: load(device="cpu") takes the device branch, through staging."""
+    monkeypatch.setattr(store_mod, "_host", lambda d: False)
+    temps = []
+    real = store_mod.io.empty
+    monkeypatch.setattr(store_mod.io, "empty", lambda shape, dtype: temps.append(tuple(shape)) or real(shape, dtype))
+    return temps
+
+
+def test_strided_and_compressed_tensors_stage_without_host_copies(tmp_path, device_cpu) -> None:
+    base = random_tensor((120, 90), torch.bfloat16, seed=4)
+    smooth = (torch.randn(400, 30) * 0.02).to(torch.float16)
+    sd = {"t": base.t(), "expanded": torch.arange(50.0).expand(7, 50), "stepped": base[::2, ::3],
+          "lz4": smooth, "zstd": smooth.float(), "lz4_t": smooth.t()}
+    th5.save(sd, tmp_path / "f.h5", compression=lambda p, t: "zstd" if p == "zstd" else "lz4", chunk_bytes=4096)
+    out = th5.load(tmp_path / "f.h5", device="cpu")
+    for k, v in sd.items():
+        assert out[k].stride() == v.stride(), k
+        assert_same_tensor(out[k], v)
+    assert device_cpu == []  # no full-size host temporary: every byte went through the staging buffers
+
+
+def test_hdf5_only_datasets_stage_by_whole_rows_and_chunks(tmp_path, device_cpu) -> None:
+    import h5py
+
+    t = torch.randn(300, 16)
+    with h5py.File(tmp_path / "o.h5", "w") as f:
+        f.create_dataset("gzip", data=t.numpy(), chunks=(20, 16), compression="gzip")  # 1280-byte chunks
+        f.create_dataset("be", data=t.numpy().astype(">f4"))  # converted by HDF5
+        f.create_dataset("cols", data=t.numpy(), chunks=(300, 4), compression="gzip")
+    with th5.open(tmp_path / "o.h5") as s:
+        for key in ("gzip", "be", "cols"):
+            out = torch.empty(300, 16)
+            s[key].read(out=out)
+            assert torch.equal(out, t), key
+            part = torch.empty(45, 16)
+            s[key].read(out=part, index=slice(17, 62))
+            assert torch.equal(part, t[17:62]), key
+        assert s._hdf5_rows(s["gzip"]._entry, store_mod.select_index((), (300, 16)), 1000)[1] == 64  # chunk > buffer
+        assert s._hdf5_rows(s["gzip"]._entry, store_mod.select_index((), (300, 16)), 4000)[1] == 1280  # whole chunks
+        assert s._hdf5_rows(s["cols"]._entry, store_mod.select_index((), (300, 16)), 4000)[1] == 64  # whole rows
+        assert s._hdf5_rows(s["gzip"]._entry, store_mod.select_index((slice(None), 3), (300, 16)), 4000)[0] is None
+        assert device_cpu == []  # every row range went through the staging buffers
+        out = torch.empty(300)
+        s["gzip"].read(out=out, index=(slice(None), 3))  # not a row range: HDF5 reads the column
+        assert torch.equal(out, t[:, 3])
+
+
+def test_out_of_device_memory_names_the_key(monkeypatch) -> None:
+    from tensorstore_h5 import transfer
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(transfer.torch, "empty", oom)
+    with pytest.raises(th5.TensorStoreError, match=r"model/embed\.weight.*cuda:0"):
+        transfer.device_empty((50000, 4096), torch.bfloat16, "cuda:0", "model/embed.weight")
+
+
+class _FakeKvikio:
+    """Just enough of kvikio's API: CuFile(path).pread(buf, size, offset).get()."""
+
+    def __init__(self, compat: bool = False, fail: bool = False) -> None:
+        import types
+
+        self.reads: list[tuple[int, int]] = []
+        self.defaults = types.SimpleNamespace(is_compat_mode_preferred=lambda: compat)
+        fake = self
+
+        class CuFile:
+            def __init__(self, path: str, mode: str) -> None:
+                self._f = open(path, "rb")
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc) -> None:
+                self._f.close()
+
+            def pread(self, buf: torch.Tensor, size: int, offset: int):
+                if fail:
+                    raise RuntimeError("cuFile error")
+                fake.reads.append((offset, size))
+                self._f.seek(offset)
+                data = self._f.read(size)
+                buf[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+                return types.SimpleNamespace(get=lambda: len(data))
+
+        self.CuFile = CuFile
+
+
+@pytest.mark.parametrize("mode", ["gds", "compat", "failing"])
+def test_gpudirect_storage_through_kvikio_or_silent_fallback(tmp_path, staged_cpu, monkeypatch, mode) -> None:
+    from tensorstore_h5 import transfer
+
+    fake = _FakeKvikio(compat=mode == "compat", fail=mode == "failing")
+    monkeypatch.setattr(transfer, "_kvikio_module", fake)
+    monkeypatch.setattr(store_mod, "_gds", lambda t: True)
+    t = random_tensor((256, 33), torch.float32, seed=8)
+    th5.save({"t": t, "c": (torch.randn(500, 40) * 0.02)}, tmp_path / "f.h5", compression=lambda p, _: "lz4" if p == "c" else None)
+    with th5.open(tmp_path / "f.h5") as s:
+        out = torch.empty(256, 33)
+        s["t"].read(out=out)
+        assert torch.equal(out.view(torch.int32), t.view(torch.int32))
+        c = torch.empty(500, 40)
+        s["c"].read(out=c)  # compressed: never through GDS
+        assert torch.equal(c, s["c"].read())
+        staged = sum(s._stagers[torch.device("cpu")].uses)
+    if mode == "gds":
+        assert len(fake.reads) == 1 and fake.reads[0][1] == t.nbytes and staged == 80_000 // 1000 + (80_000 % 1000 > 0)
+    else:
+        assert fake.reads == [] and staged > 80
+
+
+def test_gds_off_ignores_kvikio(monkeypatch) -> None:
+    from tensorstore_h5 import transfer
+
+    monkeypatch.setattr(transfer, "_kvikio_module", _FakeKvikio())
+    assert transfer._kvikio() is not None
+    monkeypatch.setattr(transfer, "GDS", False)
+    assert transfer._kvikio() is None

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The GPU check of the CUDA paths, prepared to run once on a lent GPU machine (device tool):
+# the CUDA tests, then the G. benchmark contenders on a 2 GB checkpoint. Needs a CUDA build
+# of torch already installed there (the device machine has no network). Figures go to
+# $OUT (or bench/) as gpu-tests.txt, gpu.txt and gpu.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-bench}"
+python -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print(torch.__version__, torch.cuda.get_device_name())"
+pip install -q --no-deps --no-build-isolation -e . 2>/dev/null || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python -m pytest -q -p no:cacheprovider -m cuda tests/ 2>&1 | tee "$out/gpu-tests.txt"
+python -m tensorstore_h5.bench --gpu --only "G.,L.readinto" --size-gb "${SIZE_GB:-2}" --repeat "${REPEAT:-3}" \
+  --json "$out/gpu.json" 2>&1 | tee "$out/gpu.txt"

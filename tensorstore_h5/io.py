@@ -164,16 +164,7 @@ class ReadPlan:
         """Finish every job; raises the first error (EOFError, OSError, ...) once all are done."""
         batch, futures = self._batch, self._futures
         self._batch, self._pending, self._futures = [], 0, []
-        error: BaseException | None = None
-        try:
-            _run_all(batch)
-        except BaseException as e:  # noqa: BLE001 - re-raised below, after the pool's jobs end
-            error = e
-        for f in futures:
-            e = f.exception()
-            error = error or e
-        if error is not None:
-            raise error
+        _finish(functools.partial(_run_all, batch), futures)
 
     def abandon(self) -> None:
         """Drop the jobs not started yet and wait for the running ones (after an error)."""
@@ -197,10 +188,14 @@ def run_jobs(jobs: list[Callable[[], None]]) -> None:
         for job in jobs:
             job()
         return
-    futures = [_executor().submit(job) for job in jobs[:-1]]
+    _finish(jobs[-1], [_executor().submit(job) for job in jobs[:-1]])
+
+
+def _finish(inline: Callable[[], None], futures: list[Future[None]]) -> None:
+    """Run ``inline`` here, then wait for ``futures``; raise the first error once all have ended."""
     error: BaseException | None = None
     try:
-        jobs[-1]()
+        inline()
     except BaseException as e:  # noqa: BLE001 - re-raised below, after the pool's jobs end
         error = e
     for f in futures:

@@ -26,6 +26,10 @@ from typing import Any
 
 import h5py
 import numpy as np
+import torch
+
+from .io import read_hdf5, run_jobs
+from .slicing import rows
 
 __all__ = ["PARALLEL_DECODE", "DECODE_COST", "DecodeError", "RowChunks", "row_chunks", "decoder_for"]
 
@@ -207,8 +211,6 @@ class RowChunks:
 
     def read(self, pread: Callable[[int, memoryview], None], offset: int, dest: Any) -> None:
         """Fill ``dest`` with logical bytes from ``offset``, decoding the chunks on the thread pool."""
-        from .io import run_jobs
-
         run_jobs(self.tasks(pread, offset, dest))
 
     def _chunk_into(self, pread: Callable[[int, memoryview], None], k: int, dst: int) -> None:
@@ -229,14 +231,12 @@ class RowChunks:
 
     def _hdf5_chunk(self, k: int, dst: int) -> None:
         """HDF5's own read of chunk ``k``'s rows (its filter path) to address ``dst``."""
-        shape = self._dsid.shape
+        rows_total = self._dsid.shape[0]
         first = k * self._chunk_rows
-        count = (min(shape[0], first + self._chunk_rows) - first,) + tuple(shape[1:])
-        fspace = self._dsid.get_space()
-        fspace.select_hyperslab((first,) + (0,) * (len(shape) - 1), count)
-        nbytes = count[0] * (self.chunk_bytes // self._chunk_rows)
-        out = np.frombuffer((ctypes.c_char * max(nbytes, 1)).from_address(dst), dtype=np.uint8)[:nbytes]
-        self._dsid.read(h5py.h5s.create_simple(count), fspace, out, mtype=self._dsid.get_type())
+        stop = min(rows_total, first + self._chunk_rows)
+        nbytes = (stop - first) * (self.chunk_bytes // self._chunk_rows)
+        out = torch.frombuffer((ctypes.c_char * max(nbytes, 1)).from_address(dst), dtype=torch.uint8)[:nbytes]
+        read_hdf5(self._dsid, self._dsid.get_type(), out, rows(self._dsid.shape, first, stop))
 
 
 @dataclass

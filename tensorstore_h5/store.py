@@ -554,7 +554,7 @@ class Store:
         dest = out if direct else io.empty(sel.shape, dtype)
         post = (out is not None and not direct) or (out is None and restore_layout and entry.stride is not None)
         if not sel.empty:
-            queue = plan if plan is not None and not post else io.ReadPlan(self._rawfile())
+            queue = plan if plan is not None and not post else io.ReadPlan(raw)
             if not ranged:
                 self._read_hdf5(entry, sel, dest)
             elif chunks is None:

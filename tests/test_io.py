@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import h5py
 import numpy as np
 import pytest
@@ -128,12 +130,35 @@ def test_mmap_tensors_are_file_backed_and_copy_on_write(tmp_path) -> None:
     assert torch.equal(th5.load(path)["w"], src["w"])
 
 
-def test_empty_gives_a_usable_tensor_of_any_size() -> None:
-    for shape in [(0,), (3,), (io.HUGEPAGE_MIN_BYTES // 4 + 7,)]:
-        t = io.empty(shape, torch.float32)
-        assert t.shape == shape and t.dtype == torch.float32 and t.is_contiguous()
-        t.fill_(1.5)
-        assert t.sum().item() == 1.5 * shape[0]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.int64, torch.complex64])
+def test_empty_gives_a_usable_tensor_of_any_size(dtype: torch.dtype) -> None:
+    for n in [0, 3, io.MAP_MIN_BYTES // dtype.itemsize + 5, io.HUGEPAGE_MIN_BYTES // dtype.itemsize + 7]:
+        for shape in [(n,), (1, n, 1)]:
+            t = io.empty(shape, dtype)
+            assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+            t.fill_(1)
+            assert int((t == 1).sum()) == n
+            if n * dtype.itemsize >= io.HUGEPAGE_MIN_BYTES:
+                assert t.data_ptr() % (2 * 2**20) == 0  # huge-page aligned
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
+def test_empty_memory_is_returned_when_the_tensor_is_dropped() -> None:
+    # through malloc, glibc would keep it in its heap once its mmap threshold has risen
+    sizes = [io.MAP_MIN_BYTES * 3, 40 * 2**20, io.MAP_MIN_BYTES * 5, 24 * 2**20]
+    before = _rss()
+    for _ in range(3):
+        for nbytes in sizes:
+            t = io.empty((nbytes,), torch.uint8)
+            t.fill_(7)
+            assert _rss() - before >= nbytes // 2  # really backed by touched memory
+            del t
+    assert _rss() - before < 8 * 2**20
 
 
 def test_raw_path_only_for_contiguous_datasets_of_the_canonical_type(tmp_path) -> None:

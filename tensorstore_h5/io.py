@@ -28,7 +28,7 @@ from .slicing import Selection, rows
 
 __all__ = [
     "BLOCK_BYTES", "IO_THREADS", "PIECE_BYTES", "MAP_MIN_BYTES", "HUGEPAGE_MIN_BYTES", "tensor_bytes", "empty", "read_hdf5",
-    "write_hdf5", "write_tensor", "row_blocks", "restore_layout", "RawFile", "ReadPlan", "run_jobs",
+    "write_hdf5", "write_tensor", "row_blocks", "restore_layout", "RawFile", "FileMap", "ReadPlan", "run_jobs",
 ]
 
 BLOCK_BYTES = 64 * 2**20
@@ -119,18 +119,52 @@ class RawFile:
         so writes stay in this tensor's memory and reach neither the file nor other tensors."""
         if offset + nbytes > self.size:
             raise EOFError(f"{self.path}: file ends before byte {offset + nbytes} (truncated?)")
-        if self._fd is None:
-            raise ValueError(f"{self.path}: closed")
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
-        mapping = mmap.mmap(self._fd, nbytes + offset - start, offset=start, access=mmap.ACCESS_COPY)
+        mapping = mmap.mmap(self._fileno(), nbytes + offset - start, offset=start, access=mmap.ACCESS_COPY)
         flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset - start)
         return flat.view(dtype).reshape(shape)
+
+    def _fileno(self) -> int:
+        if self._fd is None:
+            raise ValueError(f"{self.path}: closed")
+        return self._fd
 
     def close(self) -> None:
         """Close the descriptor. Mapped tensors stay valid (the mapping lives while they do)."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+class FileMap:
+    """Tensors backed by one private (copy-on-write) mapping of the whole file, made on first use.
+
+    One ``mmap`` per load instead of one per tensor: each tensor is a view of it, so a
+    mapped load of hundreds of tensors costs one system call. Writes to a tensor stay in the
+    mapping's private pages, inside that tensor's own bytes: they reach neither the file nor
+    the other tensors (which never share bytes, only pages). The mapping lives while any of
+    its tensors does. With ``whole=False`` (streaming, where memory should fall as each
+    tensor is dropped), and for a tensor whose offset is not a multiple of its element
+    size, each tensor gets a mapping of its own (:meth:`RawFile.mapped`).
+    """
+
+    def __init__(self, raw: RawFile, whole: bool = True) -> None:
+        self._raw = raw
+        self._one = whole
+        self._whole: torch.Tensor | None = None
+
+    def tensor(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The ``nbytes`` at ``offset`` as a tensor of ``dtype`` and ``shape``. Raises EOFError
+        past the end of the file."""
+        raw = self._raw
+        if offset + nbytes > raw.size:
+            raise EOFError(f"{raw.path}: file ends before byte {offset + nbytes} (truncated?)")
+        if not self._one or offset % dtype.itemsize:
+            return raw.mapped(offset, nbytes, dtype, shape)
+        if self._whole is None:
+            mapping = mmap.mmap(raw._fileno(), raw.size, access=mmap.ACCESS_COPY)
+            self._whole = torch.frombuffer(mapping, dtype=torch.uint8)
+        return self._whole[offset:offset + nbytes].view(dtype).view(shape)
 
 
 class ReadPlan:

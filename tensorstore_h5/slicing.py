@@ -10,7 +10,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Selection", "select", "rows"]
+__all__ = ["Selection", "select", "whole", "rows"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,8 @@ def select(index: Any, shape: tuple[int, ...]) -> Selection:
     Supports integers (negative counts from the end), slices with a positive step, and one
     Ellipsis. Raises IndexError for anything else or out-of-range integers.
     """
+    if index is Ellipsis or (type(index) is tuple and not index):
+        return whole(shape)
     items = index if isinstance(index, tuple) else (index,)
     if sum(1 for it in items if it is Ellipsis) > 1:
         raise IndexError("an index can only have a single ellipsis ('...')")
@@ -96,6 +98,12 @@ def select(index: Any, shape: tuple[int, ...]) -> Selection:
             count.append(1)
             step.append(1)
     return Selection(tuple(shape), tuple(start), tuple(count), tuple(step), tuple(out))
+
+
+def whole(shape: tuple[int, ...]) -> Selection:
+    """The selection of all of a dataset of ``shape``."""
+    shape = tuple(shape)
+    return Selection(shape, (0,) * len(shape), shape, (1,) * len(shape), shape)
 
 
 def rows(shape: tuple[int, ...], first: int, stop: int) -> Selection:

@@ -18,7 +18,7 @@ from .dtypes import bits_view
 from .errors import FormatError, KeyNotFoundError, MismatchError
 from .format import ArrayEntry, Container, ForeignEntry, Layout, TensorEntry, ValueEntry, contiguous_stride, read_layout
 from .select import Selector, closest, resolve
-from .slicing import Selection, select as select_index
+from .slicing import Selection, select as select_index, whole
 from .tree import Leaf
 
 __all__ = ["Store", "TensorHandle", "open_store", "Device"]
@@ -112,7 +112,7 @@ class TensorHandle:
         if mmap:
             if out is not None or index is not None:
                 raise ValueError("read(mmap=True) maps the whole tensor; it takes no out or index")
-            mapped = self._store._mapped(self._entry)
+            mapped = self._store._mapped(self._entry, io.FileMap(self._store._rawfile(), whole=False))
             if mapped is not None:
                 return mapped
         return self._store._read_tensor(self._entry, sel, out, restore_layout=index is None)
@@ -192,7 +192,7 @@ class Store:
         entry = self._entry(key)
         if isinstance(entry, TensorEntry):
             return TensorHandle(self, entry)
-        return self._read_leaf(entry, {}, None, False, None)
+        return self._read_leaf(entry, {}, None, None, None)
 
     def _entry(self, key: str) -> Any:
         entry = self._layout.entry(key)
@@ -247,9 +247,10 @@ class Store:
         """
         included = resolve(select, self._leaf_paths, self._container_paths, self.path)
         alive: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+        fmap = io.FileMap(self._rawfile(), whole=False) if mmap else None  # each tensor unmapped when dropped
         for entry in self._layout.leaves:
             if entry.path in included:
-                yield entry.path, self._read_leaf(entry, alive, device, mmap, None)
+                yield entry.path, self._read_leaf(entry, alive, device, fmap, None)
 
     def selected_keys(self, select: Selector = None) -> list[str]:
         """The leaf key paths that ``select`` picks, in saved order (see :meth:`load`)."""
@@ -266,8 +267,9 @@ class Store:
                 path to device.
             progress: progress bar by bytes (see :func:`tensorstore_h5.save`).
             mmap: return tensors backed by the file's pages (zero-copy, copy-on-write: writes
-                to them never reach the file) for contiguous uncompressed datasets saved
-                row-major; other tensors are read as usual.
+                to them never reach the file or another tensor) for contiguous uncompressed
+                datasets saved row-major, all views of one mapping of the file that lives
+                while any of them does; other tensors are read as usual.
 
         Raises:
             KeyNotFoundError: an exact key in ``select`` is not in the file.
@@ -279,6 +281,7 @@ class Store:
         bar = Progress(progress, desc=f"loading {os.path.basename(self.path)}")
         bar.total(sum(_data_bytes(e) for e in self._layout.leaves if e.path in included))
         plan = io.ReadPlan(self._rawfile()) if bar.silent else None  # one batch for both cores
+        fmap = io.FileMap(self._rawfile()) if mmap else None
         try:
             for entry in self._layout.entries:
                 if entry.path not in included:
@@ -286,7 +289,7 @@ class Store:
                 if isinstance(entry, Container):
                     items.append(entry)
                 else:
-                    items.append(Leaf(entry.path, entry.key, self._read_leaf(entry, cache, device, mmap, plan)))
+                    items.append(Leaf(entry.path, entry.key, self._read_leaf(entry, cache, device, fmap, plan)))
                     bar.update(_data_bytes(entry))
             if plan is not None:
                 self._run(plan)
@@ -311,7 +314,7 @@ class Store:
         plan = io.ReadPlan(self._rawfile()) if bar.silent else None
         try:
             for handle, target in pairs:
-                sel = select_index((), handle._entry.shape)
+                sel = whole(handle._entry.shape)
                 self._read_tensor(handle._entry, sel, target, restore_layout=False, plan=plan)
                 bar.update(handle.nbytes)
             if plan is not None:
@@ -368,15 +371,16 @@ class Store:
         """Check a dataset against its entry once; return its raw byte offset (or None)."""
         packed = isinstance(entry, TensorEntry) and entry.packed is not None
         try:
+            # an offset only for contiguous data stored in this file (not compact, external,
+            # chunked or unallocated): then the creation properties need no look
+            offset = dsid.get_offset()
             shape = dsid.shape
-            dcpl = dsid.get_create_plist()
-            ftype = dsid.get_type()
-            layout = dcpl.get_layout()
-            filtered = layout == h5py.h5d.CHUNKED and dcpl.get_nfilters() > 0
-            same_type = isinstance(entry, TensorEntry) and ftype == entry.dtype.h5_type
-            offset = None
-            if same_type and layout == h5py.h5d.CONTIGUOUS and not dcpl.get_external_count():
-                offset = dsid.get_offset()
+            same_type = isinstance(entry, TensorEntry) and dsid.get_type() == entry.dtype.h5_type
+            filtered = False
+            if offset is None or not same_type:
+                offset = None
+                dcpl = dsid.get_create_plist()
+                filtered = dcpl.get_layout() == h5py.h5d.CHUNKED and dcpl.get_nfilters() > 0
         except _H5_ERRORS as e:
             raise FormatError(f"{self.path}: key {entry.path!r}: unreadable dataset header ({e})") from e
         if packed:
@@ -422,7 +426,7 @@ class Store:
     def _compression(self, entry: TensorEntry) -> dict[str, Any] | None:
         return compression.describe(self._dataset(entry).get_create_plist())
 
-    def _read_leaf(self, entry: Any, cache: Any, device: Device, mmap: bool, plan: io.ReadPlan | None) -> Any:
+    def _read_leaf(self, entry: Any, cache: Any, device: Device, fmap: io.FileMap | None, plan: io.ReadPlan | None) -> Any:
         if isinstance(entry, ValueEntry):
             return entry.value
         if isinstance(entry, ForeignEntry):
@@ -438,8 +442,8 @@ class Store:
         if t is None:
             target = _device_for(device, entry.path)
             on_cpu = _host(target)
-            t = self._mapped(entry) if mmap and on_cpu else None
-            sel = select_index((), entry.shape)
+            t = self._mapped(entry, fmap) if fmap is not None and on_cpu else None
+            sel = whole(entry.shape)
             if t is None and not on_cpu:  # allocated on the device, filled through the staging buffers
                 t = transfer.device_empty(entry.shape, entry.dtype.torch_dtype, target, entry.path)
                 self._read_tensor(entry, sel, t, restore_layout=False)
@@ -498,13 +502,13 @@ class Store:
             self._read_hdf5(entry, select_index(slice(a, a + buf.numel() // row), shape), buf)
         return fill, align
 
-    def _mapped(self, entry: TensorEntry) -> torch.Tensor | None:
-        """A file-backed tensor for a row-major, contiguous, unfiltered dataset, else None."""
+    def _mapped(self, entry: TensorEntry, fmap: io.FileMap) -> torch.Tensor | None:
+        """A tensor of ``fmap`` for a row-major, contiguous, unfiltered dataset, else None."""
         offset = self._base(entry)
         if offset is None or entry.stride is not None or entry.numel == 0 or entry.packed is not None:
             return None
         try:
-            return self._rawfile().mapped(offset, entry.nbytes, entry.dtype.torch_dtype, entry.shape)
+            return fmap.tensor(offset, entry.nbytes, entry.dtype.torch_dtype, entry.shape)
         except (OSError, EOFError, ValueError) as e:
             raise FormatError(f"{self.path}: key {entry.path!r}: cannot map the data ({e})") from e
 

@@ -558,15 +558,19 @@ class Store:
         dest = out if direct else io.empty(sel.shape, dtype)
         post = (out is not None and not direct) or (out is None and restore_layout and entry.stride is not None)
         if not sel.empty:
-            queue = plan if plan is not None and not post else io.ReadPlan(raw)
+            queue = plan if plan is not None and not post else None
+            if queue is None and (chunks is not None or dest.numel() * dest.element_size() > io.PIECE_BYTES):
+                queue = io.ReadPlan(raw)
             if not ranged:
                 self._read_hdf5(entry, sel, dest)
+            elif queue is None:  # one small range: read it here
+                self._keyed(lambda: raw.pread(start, memoryview(io.tensor_bytes(dest))), entry)()
             elif chunks is None:
                 queue.add(start, dest)
             else:
                 for job in chunks.tasks(raw.pread, skip, io.tensor_bytes(dest)):
                     queue.add_job(self._keyed(job, entry), job.n * codecs.DECODE_COST)
-            if queue is not plan:
+            if queue is not None and queue is not plan:
                 self._run(queue)
         if out is None:
             if restore_layout and entry.stride is not None:

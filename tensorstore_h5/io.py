@@ -72,15 +72,19 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     area = mmap.mmap(-1, nbytes + (_HUGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     skip = 0
     if huge:
-        try:
-            area.madvise(_MADV_HUGEPAGE)
+        skip = -torch.frombuffer(area, dtype=torch.uint8, count=1).data_ptr() % _HUGE
+        body = nbytes - nbytes % _HUGE  # whole huge pages only: a partial last one would hold
+        try:                            # up to 2 MiB of memory the tensor does not use
+            area.madvise(_MADV_HUGEPAGE, skip, body)
+            if _MADV_NOHUGEPAGE is not None:  # where the kernel makes huge pages unasked
+                area.madvise(_MADV_NOHUGEPAGE, skip + body, len(area) - skip - body)
         except OSError:
             pass
-        skip = -torch.frombuffer(area, dtype=torch.uint8, count=1).data_ptr() % _HUGE
     return torch.frombuffer(area, dtype=dtype, count=numel, offset=skip).view(shape)
 
 
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+_MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", None)
 
 
 _pool: ThreadPoolExecutor | None = None

@@ -199,6 +199,16 @@ def test_empty_memory_is_returned_when_the_tensor_is_dropped() -> None:
     assert _rss() - before < 8 * 2**20
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
+def test_empty_holds_no_memory_beyond_the_tensor() -> None:
+    # a huge page over a tensor's partial last 2 MiB would hold up to 2 MiB it does not use
+    nbytes = io.HUGEPAGE_MIN_BYTES + 2**20 + 4096
+    before = _rss()
+    kept = [io.empty((nbytes,), torch.uint8).fill_(1) for _ in range(20)]
+    assert _rss() - before < 20 * nbytes + 8 * 2**20
+    del kept
+
+
 def test_raw_path_only_for_contiguous_datasets_of_the_canonical_type(tmp_path) -> None:
     with h5py.File(tmp_path / "f.h5", "w") as f:
         f.create_dataset("c", data=np.arange(10, dtype="<f4"))

@@ -1,12 +1,15 @@
 """``tensorstore-h5 bench``: tensorstore_h5 against the machine's limits and every peer, in one run.
 
 Each contender runs in a fresh subprocess (``python -m tensorstore_h5.bench worker NAME DIR``),
-best and median of ``--repeat`` runs; files stay in the page cache, so the figures are memory
+best and median of ``--repeat`` runs, taken in rounds over all contenders (so a slow spell of a
+shared machine lands on every contender, not on one); files stay in the page cache, so the figures are memory
 and page-cache speeds. GB/s are 10**9 bytes of tensor data per second. ``peak`` is the growth
 of peak RSS during the timed operation (MiB), measured by resetting the kernel's high-water
 mark (``/proc/self/clear_refs``) just before it. A full garbage collection runs before each
 timed operation: in a fresh process that has imported torch, the first full collection costs
 ~80 ms (measured) and would otherwise land in whichever short operation happens to trigger it.
+Writers start with their output removed (see bench/README.md); the ``replace`` pair measures
+saving over a file that still exists.
 """
 
 from __future__ import annotations
@@ -626,24 +629,27 @@ def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None
                 if w not in needs:
                     _run_worker(w, ctx)
         bar = _contender_bar(len(names) * repeat)
-        for name in names:
-            results = []
-            for _ in range(repeat):
-                results.append(_run_worker(name, ctx))
+        results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        for r in range(repeat):  # rounds over every contender: a slow spell of the machine hits all alike
+            if bar is None and r:
+                print(f"tensorstore-h5 bench: round {r + 1} of {repeat}", file=sys.stderr)
+            for name in names:
+                results[name].append(_run_worker(name, ctx))
+                if CONTENDERS[name][0] == "replace":  # only these read them: give the page cache back
+                    for leftover in ("raw-replaced.bin", "replaced.h5"):
+                        _fresh(ctx.path(leftover))
                 if bar is not None:
                     bar.update(1)
-            if CONTENDERS[name][0] == "replace":  # only these read them: give the page cache back
-                for leftover in ("raw-replaced.bin", "replaced.h5"):
-                    _fresh(ctx.path(leftover))
-            secs = [r["seconds"] for r in results]
-            row = {"name": name, "group": CONTENDERS[name][0], "bytes": results[0]["bytes"], "best_s": min(secs),
-                   "median_s": statistics.median(secs), "peak_mib": max(r["peak_bytes"] for r in results) / 2**20}
+        if bar is not None:
+            bar.close()
+        for name in names:
+            secs = [r["seconds"] for r in results[name]]
+            row = {"name": name, "group": CONTENDERS[name][0], "bytes": results[name][0]["bytes"], "best_s": min(secs),
+                   "median_s": statistics.median(secs), "peak_mib": max(r["peak_bytes"] for r in results[name]) / 2**20}
             row["best_gbps"] = row["bytes"] / row["best_s"] / 1e9 if row["bytes"] else None
             row["median_gbps"] = row["bytes"] / row["median_s"] / 1e9 if row["bytes"] else None
             rows.append(row)
             echo(_format(row))
-        if bar is not None:
-            bar.close()
         _ratios(rows, echo)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

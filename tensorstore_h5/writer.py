@@ -261,7 +261,7 @@ class Writer:
         dcpl = self._compression.dcpl(path, t, spec)
         dsid = h5py.h5d.create(self._file.id, dataset.encode("utf-8"), spec.h5_type, space, dcpl=dcpl, lcpl=self._lcpl)
         io.write_tensor(dsid, spec.h5_type, t)
-        fmt.write_tensor_attrs(h5py.Dataset(dsid), entry)
+        fmt.write_tensor_attrs(dsid, entry)
         self._progress.update(entry.nbytes)
         return entry
 
@@ -288,7 +288,7 @@ class Writer:
             dsid = h5py.h5d.create(self._file.id, f"{fmt.PACK_GROUP}/{name}".encode(), spec.h5_type, space,
                                    dcpl=dcpl, lcpl=self._lcpl)
             io.write_hdf5(dsid, spec.h5_type, values)
-            fmt.write_pack_attrs(h5py.Dataset(dsid), spec)
+            fmt.write_pack_attrs(dsid, spec)
         self._packs.clear()
 
     def _write_array(self, path: str, key: Any, value: np.ndarray) -> ArrayEntry:

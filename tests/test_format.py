@@ -44,6 +44,26 @@ def test_fresh_save_matches_golden_layout(tmp_path) -> None:
     assert _structure(tmp_path / "new.h5") == _structure(GOLDEN)
 
 
+def test_fresh_attributes_have_the_golden_file_hdf5_types(tmp_path) -> None:
+    """The low-level attribute writer stores what h5py's ``attrs[...] = str`` stored."""
+    th5.save(golden(), tmp_path / "new.h5", metadata={"note": "golden v1"})
+
+    def attr_types(path: Path) -> dict:
+        out = {}
+        with h5py.File(path) as f:
+            def visit(name, obj):
+                for k in obj.attrs:
+                    aid = obj.attrs.get_id(k)
+                    t = aid.get_type()
+                    out[name, k] = (aid.shape, t.get_class(), t.is_variable_str() if t.get_class() == h5py.h5t.STRING else None,
+                                    t.get_cset() if t.get_class() == h5py.h5t.STRING else None)
+            f.visititems(visit)
+        return out
+
+    fresh, old = attr_types(tmp_path / "new.h5"), attr_types(GOLDEN)
+    assert fresh == old and any(k == "torch_dtype" for _, k in fresh)
+
+
 def test_golden_file_is_readable_with_plain_h5py() -> None:
     """What docs/FORMAT.md promises to a reader without tensorstore_h5."""
     with h5py.File(GOLDEN) as f:

@@ -4,7 +4,7 @@ Reads land straight in the caller's (or a freshly allocated) tensor: no intermed
 array, no second copy. Contiguous, unfiltered datasets skip HDF5 altogether: their byte
 range (``DatasetID.get_offset()``) is read with ``os.preadv`` by a small thread pool, which
 releases the GIL, and large fresh outputs get anonymous mappings of their own (freed for real
-when dropped; transparent huge pages, so page faults stop dominating). Everything else goes through HDF5's own read. Writes go straight from the
+when dropped; transparent huge pages on request, see :data:`HUGEPAGES`). Everything else goes through HDF5's own read. Writes go straight from the
 tensor's memory; non-contiguous or non-CPU tensors are written in row blocks of at most
 ``BLOCK_BYTES`` extra memory.
 """
@@ -27,7 +27,7 @@ from .dtypes import bits_view
 from .slicing import Selection, rows
 
 __all__ = [
-    "BLOCK_BYTES", "IO_THREADS", "PIECE_BYTES", "MAP_MIN_BYTES", "HUGEPAGE_MIN_BYTES", "tensor_bytes", "empty", "read_hdf5",
+    "BLOCK_BYTES", "IO_THREADS", "PIECE_BYTES", "MAP_MIN_BYTES", "HUGEPAGES", "HUGEPAGE_MIN_BYTES", "tensor_bytes", "empty", "read_hdf5",
     "write_hdf5", "write_tensor", "row_blocks", "restore_layout", "RawFile", "FileMap", "ReadPlan", "run_jobs",
 ]
 
@@ -43,8 +43,17 @@ PIECE_BYTES = 8 * 2**20
 MAP_MIN_BYTES = 256 * 2**10
 """Fresh outputs of at least this many bytes get a memory mapping of their own (see :func:`empty`)."""
 
+HUGEPAGES = False
+"""Advise fresh outputs of at least :data:`HUGEPAGE_MIN_BYTES` to use transparent huge pages.
+
+Off by default: which is faster depends on the machine and on the moment. On this project's
+VM, filling 1 GB of fresh tensors ran about 2x faster with huge pages in one session and
+3-6x slower in the next (2 MiB faults: ~1 GB/s against ~4 GB/s with 4 KiB pages, measured
+back to back); ``tensorstore-h5 bench`` measures both limits."""
+
 HUGEPAGE_MIN_BYTES = 4 * 2**20
-"""Fresh outputs of at least this many bytes are advised to use transparent huge pages."""
+"""With :data:`HUGEPAGES`, fresh outputs of at least this many bytes are advised to use
+transparent huge pages."""
 
 _HUGE = 2 * 2**20
 
@@ -53,22 +62,18 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A new uninitialised CPU tensor; large ones live in an anonymous mapping of their own.
 
     Tensors of at least :data:`MAP_MIN_BYTES` are backed by a private anonymous ``mmap``,
-    unmapped when the tensor is freed; from :data:`HUGEPAGE_MIN_BYTES` on it is 2 MiB
-    aligned and advised ``MADV_HUGEPAGE``:
-
-    - memory really drops when a streamed tensor is dropped. Through ``malloc`` it does not:
-      glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB),
-      so later tensors come from the heap, which keeps freed memory (measured streaming a
-      1 GB checkpoint: peak RSS 436 MiB through ``torch.empty``, 15 MiB this way);
-    - fresh memory costs a page fault per 4 KiB page on first touch; huge pages cut that
-      (reading into a new tensor ran about 1.7x faster, see bench). Advice only: no effect
-      where the kernel does not offer huge pages.
+    unmapped when the tensor is freed (with :data:`HUGEPAGES`, from :data:`HUGEPAGE_MIN_BYTES`
+    on it is 2 MiB aligned and its whole 2 MiB blocks are advised ``MADV_HUGEPAGE``), so
+    memory really drops when a streamed tensor is dropped. Through ``malloc`` it does not:
+    glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB), so
+    later tensors come from the heap, which keeps freed memory (measured streaming a 1 GB
+    checkpoint: peak RSS growth 436 MiB through ``torch.empty``, 15 MiB this way).
     """
     numel = math.prod(shape)
     nbytes = numel * dtype.itemsize
     if nbytes < MAP_MIN_BYTES:
         return torch.empty(shape, dtype=dtype)
-    huge = nbytes >= HUGEPAGE_MIN_BYTES and _MADV_HUGEPAGE is not None
+    huge = HUGEPAGES and nbytes >= HUGEPAGE_MIN_BYTES and _MADV_HUGEPAGE is not None
     area = mmap.mmap(-1, nbytes + (_HUGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     skip = 0
     if huge:

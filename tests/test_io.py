@@ -130,15 +130,17 @@ def test_mmap_tensors_are_file_backed_and_copy_on_write(tmp_path) -> None:
     assert torch.equal(th5.load(path)["w"], src["w"])
 
 
+@pytest.mark.parametrize("huge", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.int64, torch.complex64])
-def test_empty_gives_a_usable_tensor_of_any_size(dtype: torch.dtype) -> None:
+def test_empty_gives_a_usable_tensor_of_any_size(dtype: torch.dtype, huge: bool, monkeypatch) -> None:
+    monkeypatch.setattr(io, "HUGEPAGES", huge)
     for n in [0, 3, io.MAP_MIN_BYTES // dtype.itemsize + 5, io.HUGEPAGE_MIN_BYTES // dtype.itemsize + 7]:
         for shape in [(n,), (1, n, 1)]:
             t = io.empty(shape, dtype)
             assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
             t.fill_(1)
             assert int((t == 1).sum()) == n
-            if n * dtype.itemsize >= io.HUGEPAGE_MIN_BYTES:
+            if huge and n * dtype.itemsize >= io.HUGEPAGE_MIN_BYTES:
                 assert t.data_ptr() % (2 * 2**20) == 0  # huge-page aligned
 
 
@@ -186,7 +188,9 @@ def test_mmap_of_a_misaligned_dataset_gets_its_own_mapping(tmp_path) -> None:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
-def test_empty_memory_is_returned_when_the_tensor_is_dropped() -> None:
+@pytest.mark.parametrize("huge", [False, True])
+def test_empty_memory_is_returned_when_the_tensor_is_dropped(huge: bool, monkeypatch) -> None:
+    monkeypatch.setattr(io, "HUGEPAGES", huge)
     # through malloc, glibc would keep it in its heap once its mmap threshold has risen
     sizes = [io.MAP_MIN_BYTES * 3, 40 * 2**20, io.MAP_MIN_BYTES * 5, 24 * 2**20]
     before = _rss()
@@ -200,8 +204,10 @@ def test_empty_memory_is_returned_when_the_tensor_is_dropped() -> None:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
-def test_empty_holds_no_memory_beyond_the_tensor() -> None:
+@pytest.mark.parametrize("huge", [False, True])
+def test_empty_holds_no_memory_beyond_the_tensor(huge: bool, monkeypatch) -> None:
     # a huge page over a tensor's partial last 2 MiB would hold up to 2 MiB it does not use
+    monkeypatch.setattr(io, "HUGEPAGES", huge)
     nbytes = io.HUGEPAGE_MIN_BYTES + 2**20 + 4096
     before = _rss()
     kept = [io.empty((nbytes,), torch.uint8).fill_(1) for _ in range(20)]

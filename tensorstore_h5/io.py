@@ -4,9 +4,9 @@ Reads land straight in the caller's (or a freshly allocated) tensor: no intermed
 array, no second copy. Contiguous, unfiltered datasets skip HDF5 altogether: their byte
 range (``DatasetID.get_offset()``) is read with ``os.preadv`` by a small thread pool, which
 releases the GIL, and large fresh outputs get anonymous mappings of their own (freed for real
-when dropped; transparent huge pages on request, see :data:`HUGEPAGES`). Everything else goes through HDF5's own read. Writes go straight from the
-tensor's memory; non-contiguous or non-CPU tensors are written in row blocks of at most
-``BLOCK_BYTES`` extra memory.
+when dropped; transparent huge pages on request, see :data:`HUGEPAGES`). Everything else goes
+through HDF5's own read. Writes go straight from the tensor's memory; non-contiguous or
+non-CPU tensors are written in row blocks of at most ``BLOCK_BYTES`` extra memory.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from .dtypes import bits_view
 from .slicing import Selection, rows
 
 __all__ = [
-    "BLOCK_BYTES", "IO_THREADS", "PIECE_BYTES", "MAP_MIN_BYTES", "HUGEPAGES", "HUGEPAGE_MIN_BYTES", "tensor_bytes", "empty", "read_hdf5",
+    "BLOCK_BYTES", "IO_THREADS", "PIECE_BYTES", "MAP_MIN_BYTES", "HUGEPAGES", "HUGEPAGE_MIN_BYTES",
+    "tensor_bytes", "empty", "read_hdf5",
     "write_hdf5", "write_tensor", "row_blocks", "restore_layout", "RawFile", "FileMap", "ReadPlan", "run_jobs",
 ]
 
@@ -56,6 +57,9 @@ HUGEPAGE_MIN_BYTES = 4 * 2**20
 transparent huge pages."""
 
 _HUGE = 2 * 2**20
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+_MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", None)
+_ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", None)  # None where mmap takes no flags (Windows)
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -71,10 +75,10 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """
     numel = math.prod(shape)
     nbytes = numel * dtype.itemsize
-    if nbytes < MAP_MIN_BYTES:
+    if nbytes < MAP_MIN_BYTES or _ANONYMOUS is None:
         return torch.empty(shape, dtype=dtype)
     huge = HUGEPAGES and nbytes >= HUGEPAGE_MIN_BYTES and _MADV_HUGEPAGE is not None
-    area = mmap.mmap(-1, nbytes + (_HUGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    area = mmap.mmap(-1, nbytes + (_HUGE if huge else 0), flags=mmap.MAP_PRIVATE | _ANONYMOUS)
     skip = 0
     if huge:
         skip = -torch.frombuffer(area, dtype=torch.uint8, count=1).data_ptr() % _HUGE
@@ -87,9 +91,6 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             pass
     return torch.frombuffer(area, dtype=dtype, count=numel, offset=skip).view(shape)
 
-
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
-_MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", None)
 
 
 _pool: ThreadPoolExecutor | None = None

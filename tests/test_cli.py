@@ -72,3 +72,20 @@ def test_bench_gpu_contenders_are_opt_in() -> None:
         return
     r = run("bench", "--gpu", "--only", "G.", "--size-gb", "0.001", "--repeat", "1")
     assert r.returncode == 1 and "CUDA is not available" in r.stderr
+
+
+def test_bench_ratios_use_the_better_fresh_memory_limit() -> None:
+    from tensorstore_h5 import bench
+
+    def row(name: str, seconds: float, nbytes: int = 10**9) -> dict:
+        return {"name": name, "best_s": seconds, "bytes": nbytes}
+
+    rows = [row("L.readinto fresh, 2 threads", 0.5), row("L.readinto fresh, 2 threads + huge pages", 0.25),
+            row("R.tensorstore_h5 load", 0.4), row("R.tensorstore_h5 load (io.HUGEPAGES = True)", 0.8),
+            row("R.tensorstore_h5 select 1% of keys", 0.02, 25 * 10**6)]
+    lines: list[str] = []
+    bench._ratios(rows, lines.append)
+    got = {line.rsplit(None, 1)[0].strip(): float(line.rsplit(None, 1)[1]) for line in lines if line.startswith("  ")}
+    assert got["load (default) / best raw readinto fresh (target >= 0.9)"] == 0.62  # 0.25 / 0.4, against huge pages
+    assert got["load (better of 4 KiB / huge pages) / best raw readinto fresh"] == 0.62
+    assert got["time: select 1% of keys / full load (<= 0.03; 2.5% of the bytes)"] == 0.05  # 0.02 / 0.4

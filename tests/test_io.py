@@ -144,6 +144,16 @@ def test_empty_gives_a_usable_tensor_of_any_size(dtype: torch.dtype, huge: bool,
                 assert t.data_ptr() % (2 * 2**20) == 0  # huge-page aligned
 
 
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_empty_maps_every_dtype(dtype: torch.dtype) -> None:
+    n = io.MAP_MIN_BYTES // dtype.itemsize + 3
+    t = io.empty((n,), dtype)
+    assert t.dtype == dtype and t.shape == (n,) and t.is_contiguous()
+    raw = t.view(torch.uint8)
+    raw.fill_(0xA5)  # writable, and exactly n * itemsize bytes
+    assert raw.numel() == n * dtype.itemsize and int(raw[-1]) == 0xA5
+
+
 def _rss() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))

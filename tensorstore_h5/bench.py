@@ -162,9 +162,12 @@ def _(ctx: Ctx) -> Timed:
     if not os.path.exists(path):
         _write_raw(sd, path)  # the file being replaced (untimed)
 
+    held: list[int] = []
+
     def op() -> None:
         _write_raw(sd, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        held.append(os.open(path, os.O_RDONLY))  # as save does: the old file's pages are freed
+        os.replace(path + ".tmp", path)           # when this closes, after the timing (at exit)
     return op, ctx.nbytes(sd)
 
 

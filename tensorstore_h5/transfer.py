@@ -62,11 +62,9 @@ class Stager:
         flat = dest.reshape(-1).view(torch.uint8) if dest.numel() else None
         if flat is None:
             return
-        block = self.block_size(align)
         try:
-            for i, start in enumerate(range(0, flat.numel(), block)):
+            for i, (start, n) in enumerate(self.iter_blocks(flat.numel(), align)):
                 slot = i % len(self._bufs)
-                n = min(block, flat.numel() - start)
                 if self._events[slot] is not None:
                     self._events[slot].synchronize()  # the copy out of this buffer is done
                 buf = self._bufs[slot][:n]

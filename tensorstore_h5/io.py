@@ -167,10 +167,10 @@ class FileMap:
         """The ``nbytes`` at ``offset`` as a tensor of ``dtype`` and ``shape``. Raises EOFError
         past the end of the file."""
         raw = self._raw
-        if offset + nbytes > raw.size:
-            raise EOFError(f"{raw.path}: file ends before byte {offset + nbytes} (truncated?)")
         if not self._one or offset % dtype.itemsize:
             return raw.mapped(offset, nbytes, dtype, shape)
+        if offset + nbytes > raw.size:
+            raise EOFError(f"{raw.path}: file ends before byte {offset + nbytes} (truncated?)")
         if self._whole is None:
             mapping = mmap.mmap(raw._fileno(), raw.size, access=mmap.ACCESS_COPY)
             self._whole = torch.frombuffer(mapping, dtype=torch.uint8)

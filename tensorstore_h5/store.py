@@ -6,6 +6,7 @@ import math
 import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Union
 
 import h5py
@@ -278,11 +279,8 @@ class Store:
         included = resolve(select, self._leaf_paths, self._container_paths, self.path)
         cache: dict[str, torch.Tensor] = {}
         items: list[Container | Leaf] = []
-        bar = Progress(progress, desc=f"loading {os.path.basename(self.path)}")
-        bar.total(sum(_data_bytes(e) for e in self._layout.leaves if e.path in included))
-        plan = io.ReadPlan(self._rawfile()) if bar.silent else None  # one batch for both cores
         fmap = io.FileMap(self._rawfile()) if mmap else None
-        try:
+        with self._batched(progress, sum(_data_bytes(e) for e in self._layout.leaves if e.path in included)) as (bar, plan):
             for entry in self._layout.entries:
                 if entry.path not in included:
                     continue
@@ -291,14 +289,6 @@ class Store:
                 else:
                     items.append(Leaf(entry.path, entry.key, self._read_leaf(entry, cache, device, fmap, plan)))
                     bar.update(_data_bytes(entry))
-            if plan is not None:
-                self._run(plan)
-        except BaseException:
-            if plan is not None:
-                plan.abandon()
-            raise
-        finally:
-            bar.close()
         return tree.inflate(items)
 
     def _read_into(self, pairs: list[tuple[TensorHandle, torch.Tensor]], progress: bool | None) -> None:
@@ -309,14 +299,23 @@ class Store:
         """
         for handle, _ in pairs:
             self._base(handle._entry)
-        bar = Progress(progress, desc=f"loading {os.path.basename(self.path)}")
-        bar.total(sum(h.nbytes for h, _ in pairs))
-        plan = io.ReadPlan(self._rawfile()) if bar.silent else None
-        try:
+        with self._batched(progress, sum(h.nbytes for h, _ in pairs)) as (bar, plan):
             for handle, target in pairs:
                 sel = whole(handle._entry.shape)
                 self._read_tensor(handle._entry, sel, target, restore_layout=False, plan=plan)
                 bar.update(handle.nbytes)
+
+    @contextmanager
+    def _batched(self, progress: bool | None, nbytes: int) -> Iterator[tuple[Progress, io.ReadPlan | None]]:
+        """``(bar, plan)`` for a multi-tensor read: a progress bar over ``nbytes``, and one read
+        plan for both cores when no bar is shown (reads then finish at the end of the block;
+        with a bar each tensor is read as it comes, so the bar moves). An error inside the
+        block abandons the plan's queued reads; the bar is closed either way."""
+        bar = Progress(progress, desc=f"loading {os.path.basename(self.path)}")
+        bar.total(nbytes)
+        plan = io.ReadPlan(self._rawfile()) if bar.silent else None
+        try:
+            yield bar, plan
             if plan is not None:
                 self._run(plan)
         except BaseException:

@@ -260,10 +260,11 @@ class _Job:
         ctypes.memmove(self.dst, ctypes.addressof(scratch) + self.lo, self.n)
 
 
-def row_chunks(dsid: h5py.h5d.DatasetID, itemsize: int) -> RowChunks | None:
+def row_chunks(dsid: h5py.h5d.DatasetID, itemsize: int, dcpl: h5py.h5p.PropDCID | None = None) -> RowChunks | None:
     """The :class:`RowChunks` of a chunked, filtered dataset whose chunks are blocks of whole
-    rows and whose filter this module decodes; None for anything else (read by HDF5)."""
-    dcpl = dsid.get_create_plist()
+    rows and whose filter this module decodes; None for anything else (read by HDF5).
+    ``dcpl``: the dataset's creation properties, where the caller has them already."""
+    dcpl = dsid.get_create_plist() if dcpl is None else dcpl
     if not PARALLEL_DECODE or dcpl.get_layout() != h5py.h5d.CHUNKED or dcpl.get_nfilters() == 0:
         return None
     shape = dsid.shape

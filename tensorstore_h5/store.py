@@ -402,7 +402,7 @@ class Store:
             compression.ensure_plugins()
             if same_type and not packed:
                 try:
-                    self._chunks[entry.dataset] = codecs.row_chunks(dsid, entry.dtype.itemsize)
+                    self._chunks[entry.dataset] = codecs.row_chunks(dsid, entry.dtype.itemsize, dcpl)
                 except _H5_ERRORS as e:
                     raise FormatError(f"{self.path}: key {entry.path!r}: unreadable chunk index ({e})") from e
         return offset

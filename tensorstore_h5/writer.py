@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import uuid
 import weakref
@@ -30,6 +31,20 @@ PACK_MAX_BYTES = 256
 """Tensors of at most this many bytes (0-d ``step`` counters, tiny buffers) are packed back
 to back into one dataset per dtype under ``%packed/`` instead of a dataset each: an HDF5
 dataset costs about 100 us to create, a packed tensor about 1 us."""
+
+
+RELEASE_REPLACED = True
+"""Saving over an existing file drops that file's pages from the page cache as the new file
+grows (``posix_fadvise(DONTNEED)`` on the old file, in step with the bytes written; the old
+file itself is untouched until the rename, and stays intact if the save fails). The new
+file's pages then come from memory just freed. Measured on the 2-core VM: writing 2 GB beside
+a cached 2 GB file took 5.9-7.6 s into memory the guest had handed back to its hypervisor
+(free page reporting), 0.41-0.51 s after dropping the old file's pages (0.08-0.10 s to drop).
+Pages still dirty or mapped are not dropped (the kernel only starts their writeback)."""
+
+RELEASE_ALIGN = 2 << 20
+"""Released ranges end on multiples of this many bytes: the kernel keeps a cached large folio
+(up to 2 MiB on x86-64) that a range covers only in part, so 1 MiB steps dropped nothing."""
 
 
 def _lcpl() -> h5py.h5p.PropLCID:
@@ -118,8 +133,13 @@ class Writer:
         fmt.check_metadata(self._metadata)
         head, name = os.path.split(os.path.abspath(self.path))
         self._tmp = os.path.join(head, f".{name}.{uuid.uuid4().hex}.partial")
-        self._file = h5py.File(self._tmp, "w")
-        self._finalizer = weakref.finalize(self, _discard, self._file, self._tmp)
+        self._replaced = _Replaced(self.path)
+        try:
+            self._file = h5py.File(self._tmp, "w")
+        except BaseException:
+            self._replaced.close()
+            raise
+        self._finalizer = weakref.finalize(self, _discard, self._file, self._tmp, self._replaced)
         self._entries: list[Entry] = [Container("", None, "dict")]
         self._index: dict[str, Entry] = {"": self._entries[0]}
         self._aliases: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], str]] = {}
@@ -159,7 +179,7 @@ class Writer:
             self._write_packs()
             fmt.write_layout(self._file, self._entries, self._metadata)
             self._file.close()
-            _replace(self._tmp, self.path)
+            _replace(self._tmp, self.path, self._replaced)
         except BaseException:
             self.abort()
             raise
@@ -260,6 +280,7 @@ class Writer:
         space = h5py.h5s.create(h5py.h5s.SCALAR) if not shape else h5py.h5s.create_simple(shape)
         dcpl = self._compression.dcpl(path, t, spec)
         dsid = h5py.h5d.create(self._file.id, dataset.encode("utf-8"), spec.h5_type, space, dcpl=dcpl, lcpl=self._lcpl)
+        self._replaced.release(nbytes)
         io.write_tensor(dsid, spec.h5_type, t)
         fmt.write_tensor_attrs(dsid, entry)
         self._progress.update(entry.nbytes)
@@ -293,6 +314,7 @@ class Writer:
 
     def _write_array(self, path: str, key: Any, value: np.ndarray) -> ArrayEntry:
         dataset = path or fmt.ROOT_DATASET
+        self._replaced.release(value.nbytes)
         self._file.create_dataset(dataset, data=value)
         self._progress.update(value.nbytes)
         return ArrayEntry(path, key, value.dtype, tuple(value.shape), dataset)
@@ -313,28 +335,61 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
-def _replace(tmp: str, path: str) -> None:
-    """``os.replace(tmp, path)``, releasing the old file's pages off the caller's thread.
+class _Replaced:
+    """The file a save will replace: held open from the start, released from the page cache
+    as the new file grows (:data:`RELEASE_REPLACED`), closed off the caller's thread after the
+    rename (dropping the last reference to a large cached file frees its pages, which costs
+    about as much as writing it)."""
 
-    Dropping the last reference to a large replaced file frees its page-cache pages, which
-    costs about as much as writing it; holding a descriptor across the rename moves that
-    cost to a background close.
-    """
-    try:
-        old = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        old = None
+    def __init__(self, path: str) -> None:
+        self.released = 0  # bytes of the old file dropped from the cache (a multiple of RELEASE_ALIGN)
+        self.wanted = 0    # bytes of the new file written so far
+        try:
+            self.fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            self.fd = None
+            return
+        if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+            self.close()
+
+    def release(self, nbytes: int) -> None:
+        """Drop as much of the old file from the page cache as the new one is about to take:
+        ``nbytes`` more, rounded up to :data:`RELEASE_ALIGN` (best effort)."""
+        if self.fd is None or not RELEASE_REPLACED or nbytes <= 0 or not hasattr(os, "posix_fadvise"):
+            return
+        self.wanted += nbytes
+        end = -(-self.wanted // RELEASE_ALIGN) * RELEASE_ALIGN
+        if end <= self.released:
+            return
+        try:
+            os.posix_fadvise(self.fd, self.released, end - self.released, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            return
+        self.released = end
+
+    def close(self, background: bool = False) -> None:
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return
+        if background:
+            threading.Thread(target=os.close, args=(fd,), name="tensorstore_h5-release", daemon=True).start()
+        else:
+            os.close(fd)
+
+
+def _replace(tmp: str, path: str, replaced: _Replaced) -> None:
+    """``os.replace(tmp, path)``, then let go of the old file off the caller's thread."""
     try:
         os.replace(tmp, path)
     finally:
-        if old is not None:
-            threading.Thread(target=os.close, args=(old,), name="tensorstore_h5-release", daemon=True).start()
+        replaced.close(background=True)
 
 
-def _discard(f: h5py.File, tmp: str) -> None:
+def _discard(f: h5py.File, tmp: str, replaced: _Replaced) -> None:
     try:
         f.close()
     finally:
+        replaced.close()
         try:
             os.unlink(tmp)
         except FileNotFoundError:

@@ -134,3 +134,143 @@ def test_parameters_keep_requires_grad(tmp_path) -> None:
     assert isinstance(out["p"], torch.nn.Parameter) and out["p"].requires_grad
     assert isinstance(out["q"], torch.nn.Parameter) and not out["q"].requires_grad
     assert type(out["t"]) is torch.Tensor
+
+
+# -- saving over an existing file: its pages are released as the new file grows
+
+
+def _resident_pages(fd: int) -> int | None:
+    """Pages of the file behind ``fd`` that are in the page cache (mincore), None off Linux."""
+    import ctypes
+    import mmap
+
+    size = os.fstat(fd).st_size
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        mincore = libc.mincore
+    except (OSError, AttributeError):
+        return None
+    mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)  # private: mapping it faults nothing in
+    try:
+        pages = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        anchor = ctypes.c_char.from_buffer(mm)
+        try:
+            if mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec) != 0:
+                return None
+        finally:
+            del anchor
+        return sum(v & 1 for v in vec)
+    finally:
+        mm.close()
+
+
+def _cached_file(path, nbytes: int) -> int:
+    """Write ``nbytes`` to ``path``, flush them to disk (clean pages can be dropped) and read
+    them back into the cache; returns an open descriptor."""
+    with open(path, "wb") as f:
+        f.write(os.urandom(nbytes))
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    while os.read(fd, 1 << 20):
+        pass
+    return fd
+
+
+def _drops_cache(tmp_path) -> bool:
+    """Whether this file system drops clean pages on POSIX_FADV_DONTNEED (tmpfs does not)."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    fd = _cached_file(tmp_path / "probe.bin", 1 << 20)
+    try:
+        before = _resident_pages(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        after = _resident_pages(fd)
+    finally:
+        os.close(fd)
+        os.unlink(tmp_path / "probe.bin")
+    return before is not None and after is not None and before > 200 and after < 20
+
+
+def test_save_over_a_file_releases_its_cached_pages(tmp_path) -> None:
+    if not _drops_cache(tmp_path):
+        pytest.skip("no mincore / this file system keeps clean pages on POSIX_FADV_DONTNEED")
+    path = tmp_path / "ckpt.h5"
+    old = _cached_file(path, 8 << 20)
+    try:
+        assert _resident_pages(old) >= 2000
+        new = {f"w{i}": torch.randn(256, 1024) for i in range(8)}  # 8 MiB in all
+        th5.save(new, path)
+        assert _resident_pages(old) < 100  # the replaced inode, still open here
+        assert_same(th5.load(path), new)
+    finally:
+        os.close(old)
+
+
+def test_save_over_a_file_keeps_its_pages_when_release_is_off(tmp_path, monkeypatch) -> None:
+    if not _drops_cache(tmp_path):
+        pytest.skip("no mincore / this file system keeps clean pages on POSIX_FADV_DONTNEED")
+    monkeypatch.setattr(th5.writer, "RELEASE_REPLACED", False)
+    path = tmp_path / "ckpt.h5"
+    old = _cached_file(path, 8 << 20)
+    try:
+        th5.save({"w": torch.randn(2048, 1024)}, path)
+        assert _resident_pages(old) >= 2000
+    finally:
+        os.close(old)
+
+
+def test_released_ranges_follow_the_bytes_written(tmp_path, monkeypatch) -> None:
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("no posix_fadvise")
+    path = tmp_path / "ckpt.h5"
+    th5.save({"x": torch.ones(10)}, path)
+    calls: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+
+    def spy(fd: int, offset: int, length: int, advice: int) -> None:
+        assert advice == os.POSIX_FADV_DONTNEED
+        calls.append((offset, length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    mib = 1 << 20
+    sd = {"a": torch.randn(256, 1024), "b": torch.zeros(3, dtype=torch.int64), "c": torch.randn(1024, 384).t(),
+          "d": torch.randn(64, 1024), "arr": __import__("numpy").arange(500, dtype="float64")}
+    th5.save(sd, path)
+    # back to back from 0, each ending on a 2 MiB boundary at or past the bytes written so far:
+    # a (1 MiB) -> 2 MiB; c (1.5) -> 2.5 -> 4 MiB; d (0.25) and arr (4000 B) stay under 4 MiB;
+    # the 24-byte "b" is packed, not a dataset of its own
+    assert calls == [(0, 2 * mib), (2 * mib, 2 * mib)]
+    calls.clear()
+    th5.save(sd, tmp_path / "new.h5")  # nothing to replace: nothing released
+    assert calls == []
+
+
+def test_failed_save_over_a_released_file_leaves_it_intact(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "ckpt.h5"
+    old = {f"w{i}": torch.randn(128, 1024) for i in range(4)}
+    th5.save(old, path)
+    before = path.read_bytes()
+    real = th5.io.write_tensor
+    count = [0]
+
+    def failing(*args, **kwargs):
+        count[0] += 1
+        if count[0] == 3:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(th5.io, "write_tensor", failing)
+    with pytest.raises(OSError, match="No space"):
+        th5.save({f"w{i}": torch.zeros(128, 1024) for i in range(4)}, path)
+    assert path.read_bytes() == before and _files(tmp_path) == ["ckpt.h5"]
+    assert_same(th5.load(path), old)
+
+
+def test_save_over_a_directory_fails_and_leaves_it(tmp_path) -> None:
+    (tmp_path / "d.h5").mkdir()
+    with pytest.raises(OSError):
+        th5.save({"a": torch.ones(3)}, tmp_path / "d.h5")
+    assert (tmp_path / "d.h5").is_dir() and _files(tmp_path) == ["d.h5"]

@@ -8,8 +8,12 @@ of peak RSS during the timed operation (MiB), measured by resetting the kernel's
 mark (``/proc/self/clear_refs``) just before it. A full garbage collection runs before each
 timed operation: in a fresh process that has imported torch, the first full collection costs
 ~80 ms (measured) and would otherwise land in whichever short operation happens to trigger it.
-Writers start with their output removed (see bench/README.md); the ``replace`` pair measures
-saving over a file that still exists.
+Writers start with their output removed (see bench/README.md); the ``replace`` group measures
+saving over a file that still exists. On a virtual machine that reports free memory to its
+hypervisor (:func:`reports_free_pages`), every read that faults in fresh memory starts
+``--settle`` seconds (default 3) after the previous worker exited, so that none of them gets
+memory the host has not yet taken back while another does; writers start with the page cache
+flushed (see bench/README.md).
 """
 
 from __future__ import annotations
@@ -155,23 +159,27 @@ def _write_raw(sd: dict[str, torch.Tensor], path: str) -> None:
             f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
 
 
-@contender("L.write raw bytes to a new file, renamed over the old one", "replace")
+def _replaced(path: str, write: Callable[[str], Any]) -> str:
+    """``path`` holding the file a ``replace`` contender writes over (untimed): written and
+    flushed to disk, as an earlier checkpoint would be by the time the next one is saved."""
+    if not os.path.exists(path):
+        write(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return path
+
+
+@contender("L.write raw bytes over an existing file (in place)", "replace")
 def _(ctx: Ctx) -> Timed:
     sd = ctx.state()
-    path = ctx.path("raw-replaced.bin")
-    if not os.path.exists(path):
-        _write_raw(sd, path)  # the file being replaced (untimed)
-
-    held: list[int] = []
-
-    def op() -> None:
-        _write_raw(sd, path + ".tmp")
-        held.append(os.open(path, os.O_RDONLY))  # as save does: the old file's pages are freed
-        os.replace(path + ".tmp", path)           # when this closes, after the timing (at exit)
-    return op, ctx.nbytes(sd)
+    path = _replaced(ctx.path("raw-replaced.bin"), lambda p: _write_raw(sd, p))
+    return (lambda: _write_raw(sd, path)), ctx.nbytes(sd)
 
 
-@contender("L.memcpy 1 thread (touched)", "read")
+@contender("L.memcpy 1 thread (touched)", "touched")
 def _(ctx: Ctx) -> Timed:
     n = ctx.size
     a, b = torch.ones(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
@@ -196,7 +204,7 @@ def _(ctx: Ctx) -> Timed:
     return (lambda: _preadv_all(ctx.path("raw.bin"), [io.empty((n,), torch.uint8)], 2)), n
 
 
-@contender("L.readinto touched, 2 threads", "read")
+@contender("L.readinto touched, 2 threads", "touched")
 def _(ctx: Ctx) -> Timed:
     n = os.path.getsize(ctx.path("raw.bin"))
     buf = torch.zeros(n, dtype=torch.uint8)
@@ -220,9 +228,7 @@ def _(ctx: Ctx) -> Timed:
     import tensorstore_h5 as th5
 
     sd = ctx.state()
-    path = ctx.path("replaced.h5")
-    if not os.path.exists(path):
-        th5.save(sd, path)  # the file being replaced (untimed)
+    path = _replaced(ctx.path("replaced.h5"), lambda p: th5.save(sd, p))
     return (lambda: th5.save(sd, path)), ctx.nbytes(sd)
 
 
@@ -307,6 +313,13 @@ def _(ctx: Ctx) -> Timed:
     sd = ctx.state()
     path = _fresh(ctx.path("ckpt.pt"))
     return (lambda: torch.save(sd, path)), ctx.nbytes(sd)
+
+
+@contender("W.torch.save over an existing file", "replace")
+def _(ctx: Ctx) -> Timed:
+    sd = ctx.state()
+    path = _replaced(ctx.path("replaced.pt"), lambda p: torch.save(sd, p))
+    return (lambda: torch.save(sd, path)), ctx.nbytes(sd)  # truncates in place: not atomic
 
 
 @contender("R.torch.load(weights_only)", "read")
@@ -578,10 +591,55 @@ def prepare_keys_files(ctx: Ctx) -> None:
     save_file(sd, ctx.path("many.safetensors"))
 
 
-def worker(name: str, ctx: Ctx) -> dict[str, Any]:
-    """Run one contender once; returns seconds, bytes and peak RSS growth."""
+SETTLED_GROUPS = ("read", "gpu")
+"""Contenders whose operation faults in fresh memory: on a machine that reports free pages to
+its hypervisor they start :func:`settle_seconds` after the previous worker exited."""
+
+
+SYNCED_GROUPS = ("write", "replace")
+"""Writers start with no dirty page cache from an earlier contender (``os.sync()``, untimed):
+measured back to back, each 2 GB writer inherited the previous one's ~2 GB of dirty pages and
+ran 1.4-6.1 s as the kernel throttled it behind their writeback."""
+
+
+def reports_free_pages() -> bool:
+    """Whether this machine is a virtual machine that hands free memory back to its hypervisor
+    (virtio-balloon free page reporting, feature bit 5). There, memory freed more than ~2 s ago
+    is discarded by the host in 2 MiB blocks and costs a host fault when touched again.
+
+    Measured on this project's 2-core VM (touching 1 GiB of fresh anonymous memory): with
+    transparent huge pages 113-183 ms within 1.5 s of freeing as much, 590-1337 ms 2 s or more
+    after; with 4 KiB pages 515-668 ms either way. So which of two contenders wins by huge pages
+    depended on how long the previous process had been gone.
+    """
+    import glob
+
+    for features in glob.glob("/sys/bus/virtio/drivers/virtio_balloon/virtio*/features"):
+        try:
+            with open(features) as f:
+                bits = f.read().strip()
+        except OSError:
+            continue
+        if len(bits) > 5 and bits[5] == "1":
+            return True
+    return False
+
+
+def settle_seconds() -> float:
+    """The default ``--settle``: 3 s where :func:`reports_free_pages`, else 0."""
+    return 3.0 if reports_free_pages() else 0.0
+
+
+def worker(name: str, ctx: Ctx, not_before: float = 0.0) -> dict[str, Any]:
+    """Run one contender once, its timed operation starting no earlier than ``not_before``
+    (``time.time()``); returns seconds, bytes and peak RSS growth."""
     op, nbytes = CONTENDERS[name][1](ctx)
     gc.collect()  # start every contender with the same collector state, as timeit does (see module doc)
+    if CONTENDERS[name][0] in SYNCED_GROUPS:
+        os.sync()
+    wait = not_before - time.time()
+    if wait > 0:
+        time.sleep(wait)
     rss0 = _status("VmRSS")
     _reset_peak()
     t0 = time.perf_counter()
@@ -598,7 +656,8 @@ def worker(name: str, ctx: Ctx) -> dict[str, Any]:
 ORDER = [
     "L.write raw bytes", "W.tensorstore_h5 save", "W.torch.save", "W.safetensors save_file",
     "W.pickle header + raw storages", "W.naive h5py create_dataset(data=t.numpy())",
-    "L.write raw bytes to a new file, renamed over the old one", "W.tensorstore_h5 save over an existing file",
+    "L.write raw bytes over an existing file (in place)", "W.tensorstore_h5 save over an existing file",
+    "W.torch.save over an existing file",
     "L.memcpy 1 thread (touched)", "L.readinto fresh, 2 threads", "L.readinto fresh, 2 threads + huge pages",
     "L.readinto touched, 2 threads", "R.tensorstore_h5 load", "R.tensorstore_h5 load (io.HUGEPAGES = True)",
     "R.torch.load(weights_only)", "R.safetensors load_file + clone",
@@ -620,8 +679,9 @@ GPU_ORDER = [
 """Run with ``--gpu`` (they need CUDA)."""
 
 
-def _run_worker(name: str, ctx: Ctx) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "tensorstore_h5.bench", "worker", name, ctx.dir, str(ctx.size), str(ctx.keys)]
+def _run_worker(name: str, ctx: Ctx, not_before: float = 0.0) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "tensorstore_h5.bench", "worker", name, ctx.dir, str(ctx.size), str(ctx.keys),
+           repr(not_before)]
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if r.returncode != 0:
         raise RuntimeError(f"contender {name!r} failed:\n{r.stderr[-2000:]}")
@@ -630,9 +690,10 @@ def _run_worker(name: str, ctx: Ctx) -> dict[str, Any]:
 
 def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None = None,
         workdir: str | None = None, out: str | None = None, echo: Callable[[str], None] = print,
-        gpu: bool = False) -> list[dict[str, Any]]:
+        gpu: bool = False, settle: float | None = None) -> list[dict[str, Any]]:
     """Run the contenders (``only``: a substring filter; ``gpu``: add the CUDA ones) and print
-    the table; returns the rows."""
+    the table; returns the rows. ``settle``: seconds between a worker's exit and the next
+    read's timed operation (None: :func:`settle_seconds`)."""
     names = [n for n in ORDER + (GPU_ORDER if gpu else []) if only is None or any(o in n for o in only.split(","))]
     tmp = tempfile.mkdtemp(prefix="th5-bench-", dir=workdir)
     ctx = Ctx(tmp, int(size_gb * 1e9), keys)
@@ -650,15 +711,21 @@ def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None
             for w in ("S.tensorstore_h5 save small objects", "S.torch.save small objects"):
                 if w not in needs:
                     _run_worker(w, ctx)
+        settle = settle_seconds() if settle is None else settle
+        if settle:
+            echo(f"reads start {settle:g} s after the previous worker exited (--settle; see bench/README.md)")
+        last_exit = time.time()
         bar = _contender_bar(len(names) * repeat)
         results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
         for r in range(repeat):  # rounds over every contender: a slow spell of the machine hits all alike
             if bar is None and r:
                 print(f"tensorstore-h5 bench: round {r + 1} of {repeat}", file=sys.stderr)
             for name in names:
-                results[name].append(_run_worker(name, ctx))
+                not_before = last_exit + settle if CONTENDERS[name][0] in SETTLED_GROUPS else 0.0
+                results[name].append(_run_worker(name, ctx, not_before))
+                last_exit = time.time()
                 if CONTENDERS[name][0] == "replace":  # only these read them: give the page cache back
-                    for leftover in ("raw-replaced.bin", "replaced.h5"):
+                    for leftover in ("raw-replaced.bin", "replaced.h5", "replaced.pt"):
                         _fresh(ctx.path(leftover))
                 if bar is not None:
                     bar.update(1)
@@ -677,7 +744,8 @@ def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None
         shutil.rmtree(tmp, ignore_errors=True)
     if out:
         with open(out, "w") as f:
-            json.dump({"size_gb": size_gb, "keys": keys, "repeat": repeat, "machine": _machine(), "rows": rows}, f, indent=1)
+            json.dump({"size_gb": size_gb, "keys": keys, "repeat": repeat, "settle_s": settle, "machine": _machine(),
+                       "rows": rows}, f, indent=1)
     return rows
 
 
@@ -730,8 +798,10 @@ def _ratios(rows: list[dict[str, Any]], echo: Callable[[str], None]) -> None:
     ratio("W.tensorstore_h5 save", "L.write raw bytes", "save / raw write (>= 0.8)")
     ratio("W.tensorstore_h5 save", "W.safetensors save_file", "save vs safetensors save_file")
     ratio("W.tensorstore_h5 save", "W.torch.save", "save vs torch.save")
-    ratio("W.tensorstore_h5 save over an existing file", "L.write raw bytes to a new file, renamed over the old one",
-          "save over a file / raw write to a new file + rename")
+    ratio("W.tensorstore_h5 save over an existing file", "L.write raw bytes over an existing file (in place)",
+          "save over a file / raw write over it in place")
+    ratio("W.tensorstore_h5 save over an existing file", "W.torch.save over an existing file",
+          "save over a file vs torch.save over it")
     for part, label in (("R.tensorstore_h5 select 1% of keys", "select 1% of keys"),
                         ("R.tensorstore_h5 1% row slice of every tensor", "1% row slices")):
         if part in by and "R.tensorstore_h5 load" in by and by["R.tensorstore_h5 load"]["bytes"]:
@@ -762,7 +832,8 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] == "worker":
         name, d, size, keys = args[1], args[2], int(args[3]), int(args[4])
-        print(json.dumps(worker(name, Ctx(d, size, keys))))
+        not_before = float(args[5]) if len(args) > 5 else 0.0
+        print(json.dumps(worker(name, Ctx(d, size, keys), not_before)))
         return 0
     import argparse
 
@@ -780,7 +851,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.gpu and not torch.cuda.is_available():
         print("tensorstore-h5 bench --gpu: CUDA is not available on this machine", file=sys.stderr)
         return 1
-    run(a.size_gb, a.keys, a.repeat, a.only, a.dir, a.json, gpu=a.gpu)
+    run(a.size_gb, a.keys, a.repeat, a.only, a.dir, a.json, gpu=a.gpu, settle=a.settle)
     return 0
 
 
@@ -791,6 +862,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--only", help="comma-separated substrings of contender names")
     p.add_argument("--dir", help="where to put the files (default: the temp dir)")
     p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--settle", type=float, default=None,
+                   help="seconds from one worker's exit to the next read's timed operation (default: 3 on a VM "
+                        "that reports free memory to its hypervisor, else 0; 0: no wait)")
     p.add_argument("--compression", action="store_true", help="measure the compression presets on real weights instead")
     p.add_argument("--gpu", action="store_true", help="add the CUDA contenders (G.): loads to the GPU against their limits")
 

@@ -47,10 +47,12 @@ MAP_MIN_BYTES = 256 * 2**10
 HUGEPAGES = False
 """Advise fresh outputs of at least :data:`HUGEPAGE_MIN_BYTES` to use transparent huge pages.
 
-Off by default: which is faster depends on the machine and on the moment. On this project's
-VM, filling 1 GB of fresh tensors ran about 2x faster with huge pages in one session and
-3-6x slower in the next (2 MiB faults: ~1 GB/s against ~4 GB/s with 4 KiB pages, measured
-back to back); ``tensorstore-h5 bench`` measures both limits."""
+Off by default. On a VM that reports free memory to its hypervisor (this project's machine),
+a 2 MiB fault lands on a block the host has taken back unless the memory was freed in the
+last ~2 s: touching 1 GiB took 590-1337 ms with huge pages, 515-668 ms with 4 KiB pages, and
+113-183 ms with huge pages only within 1.5 s of freeing as much (bench/README.md). In the
+2 GB bench, load with huge pages ran 0.38x the default. Huge pages may pay on bare metal:
+not measured here, so they stay opt-in."""
 
 HUGEPAGE_MIN_BYTES = 4 * 2**20
 """With :data:`HUGEPAGES`, fresh outputs of at least this many bytes are advised to use

@@ -89,3 +89,66 @@ def test_bench_ratios_use_the_better_fresh_memory_limit() -> None:
     assert got["load (default) / best raw readinto fresh (target >= 0.9)"] == 0.62  # 0.25 / 0.4, against huge pages
     assert got["load (better of 4 KiB / huge pages) / best raw readinto fresh"] == 0.62
     assert got["time: select 1% of keys / full load (<= 0.03; 2.5% of the bytes)"] == 0.05  # 0.02 / 0.4
+
+
+def test_bench_detects_free_page_reporting(tmp_path, monkeypatch) -> None:
+    import glob
+
+    from tensorstore_h5 import bench
+
+    features = tmp_path / "features"
+    monkeypatch.setattr(glob, "glob", lambda pattern: [str(features)] if "virtio_balloon" in pattern else [])
+    features.write_text("01100101" + "0" * 56 + "\n")  # bit 5: VIRTIO_BALLOON_F_REPORTING
+    assert bench.reports_free_pages() and bench.settle_seconds() == 3.0
+    features.write_text("01100001" + "0" * 56 + "\n")  # a balloon without reporting
+    assert not bench.reports_free_pages() and bench.settle_seconds() == 0.0
+    features.unlink()  # no balloon at all
+    assert not bench.reports_free_pages()
+
+
+def test_bench_worker_waits_before_timing_not_inside_it(monkeypatch) -> None:
+    import time
+
+    from tensorstore_h5 import bench
+
+    monkeypatch.setitem(bench.CONTENDERS, "R.test no-op", ("read", lambda ctx: ((lambda: None), 1)))
+    t0 = time.time()
+    result = bench.worker("R.test no-op", bench.Ctx("/nonexistent", 1, 1), not_before=t0 + 0.3)
+    assert time.time() - t0 >= 0.3 and result["seconds"] < 0.05
+
+
+def test_bench_settles_only_the_reads(monkeypatch) -> None:
+    import time
+
+    from tensorstore_h5 import bench
+
+    calls: list[tuple[str, float, float]] = []
+
+    def fake(name: str, ctx: bench.Ctx, not_before: float = 0.0) -> dict:
+        calls.append((name, not_before, time.time()))
+        return {"name": name, "seconds": 0.1, "bytes": 10**9, "peak_bytes": 0}
+
+    monkeypatch.setattr(bench, "_run_worker", fake)
+    names = ["L.write raw bytes", "L.readinto fresh, 2 threads", "L.readinto touched, 2 threads", "R.tensorstore_h5 load"]
+    bench.run(size_gb=0.001, repeat=1, only=",".join(names), echo=lambda line: None, settle=2.5)
+    timed = [c for c in calls if c[0] in names][-len(names):]  # after the untimed set-up runs
+    assert [c[0] for c in timed] == names
+    waits = {name: not_before - (timed[i - 1][2] if i else 0) for i, (name, not_before, _) in enumerate(timed)}
+    assert timed[0][1] == 0.0 and timed[2][1] == 0.0  # a writer, and a read into touched memory
+    assert 2.5 <= waits["L.readinto fresh, 2 threads"] < 2.6 and 2.5 <= waits["R.tensorstore_h5 load"] < 2.6
+    calls.clear()
+    bench.run(size_gb=0.001, repeat=1, only="L.readinto fresh, 2 threads", echo=lambda line: None, settle=0)
+    assert calls[-1][1] <= calls[-1][2]  # --settle 0: nothing to wait for
+
+
+def test_bench_writers_start_with_the_page_cache_flushed(monkeypatch) -> None:
+    import os
+
+    from tensorstore_h5 import bench
+
+    synced: list[str] = []
+    monkeypatch.setattr(os, "sync", lambda: synced.append("sync"))
+    for group in ("write", "replace", "read"):
+        monkeypatch.setitem(bench.CONTENDERS, f"X.{group}", (group, lambda ctx: ((lambda: synced.append("op")), 1)))
+        bench.worker(f"X.{group}", bench.Ctx("/nonexistent", 1, 1))
+    assert synced == ["sync", "op", "sync", "op", "op"]

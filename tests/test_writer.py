@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 
 import h5py
+import numpy as np
 import pytest
 import torch
 
@@ -237,7 +238,7 @@ def test_released_ranges_follow_the_bytes_written(tmp_path, monkeypatch) -> None
     monkeypatch.setattr(os, "posix_fadvise", spy)
     mib = 1 << 20
     sd = {"a": torch.randn(256, 1024), "b": torch.zeros(3, dtype=torch.int64), "c": torch.randn(1024, 384).t(),
-          "d": torch.randn(64, 1024), "arr": __import__("numpy").arange(500, dtype="float64")}
+          "d": torch.randn(64, 1024), "arr": np.arange(500, dtype="float64")}
     th5.save(sd, path)
     # back to back from 0, each ending on a 2 MiB boundary at or past the bytes written so far:
     # a (1 MiB) -> 2 MiB; c (1.5) -> 2.5 -> 4 MiB; d (0.25) and arr (4000 B) stay under 4 MiB;

@@ -10,14 +10,16 @@ timed operation: in a fresh process that has imported torch, the first full coll
 ~80 ms (measured) and would otherwise land in whichever short operation happens to trigger it.
 Writers start with their output removed (see bench/README.md); the ``replace`` group measures
 saving over a file that still exists. On a virtual machine that reports free memory to its
-hypervisor (:func:`reports_free_pages`), every read that faults in fresh memory starts
-``--settle`` seconds (default 3) after the previous worker exited, so that none of them gets
-memory the host has not yet taken back while another does; writers start with the page cache
-flushed (see bench/README.md).
+hypervisor (:func:`reports_free_pages`), every read that faults in fresh memory and every
+writer starts ``--settle`` seconds (default 3) after memory was last freed (the previous
+worker's exit, its own set-up's removing a file), so that none of them gets memory the host has
+not yet taken back while another does; writers also start with the page cache flushed (see
+bench/README.md). ``--profile`` shows where each contender's time goes.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -85,10 +87,15 @@ def contender(name: str, group: str) -> Callable[[Callable[[Ctx], Timed]], Calla
     return register
 
 
+_last_free = 0.0  # time.time() of the last unlink in this worker's set-up (its pages were freed then)
+
+
 def _fresh(path: str) -> str:
     """``path`` with any earlier file there removed (untimed), so that every writer starts alike."""
+    global _last_free
     try:
         os.unlink(path)
+        _last_free = time.time()
     except FileNotFoundError:
         pass
     return path
@@ -145,8 +152,8 @@ def _preadv_all(path: str, bufs: list[torch.Tensor], threads: int) -> None:
 
 @contender("L.write raw bytes", "write")
 def _(ctx: Ctx) -> Timed:
-    sd = ctx.state()
     path = _fresh(ctx.path("raw.bin"))
+    sd = ctx.state()
 
     def op() -> None:
         _write_raw(sd, path)
@@ -218,8 +225,8 @@ def _(ctx: Ctx) -> Timed:
 def _(ctx: Ctx) -> Timed:
     import tensorstore_h5 as th5
 
-    sd = ctx.state()
     path = _fresh(ctx.path("ckpt.h5"))
+    sd = ctx.state()
     return (lambda: th5.save(sd, path)), ctx.nbytes(sd)
 
 
@@ -310,8 +317,8 @@ def _file_data(ctx: Ctx) -> int:
 
 @contender("W.torch.save", "write")
 def _(ctx: Ctx) -> Timed:
-    sd = ctx.state()
     path = _fresh(ctx.path("ckpt.pt"))
+    sd = ctx.state()
     return (lambda: torch.save(sd, path)), ctx.nbytes(sd)
 
 
@@ -339,8 +346,8 @@ def _(ctx: Ctx) -> Timed:
 def _(ctx: Ctx) -> Timed:
     from safetensors.torch import save_file
 
-    sd = ctx.state()
     path = _fresh(ctx.path("ckpt.safetensors"))
+    sd = ctx.state()
     return (lambda: save_file(sd, path)), ctx.nbytes(sd)
 
 
@@ -401,8 +408,8 @@ def _(ctx: Ctx) -> Timed:
 
 @contender("W.pickle header + raw storages", "write")
 def _(ctx: Ctx) -> Timed:
-    sd = ctx.state()
     path = _fresh(ctx.path("ckpt.raw"))
+    sd = ctx.state()
 
     def op() -> None:
         spec = [(k, str(t.dtype), tuple(t.shape), tuple(t.stride()), t.numel() * t.element_size()) for k, t in sd.items()]
@@ -437,8 +444,8 @@ def _(ctx: Ctx) -> Timed:
 def _(ctx: Ctx) -> Timed:
     import h5py
 
-    sd = ctx.state()
     path = _fresh(ctx.path("naive.h5"))
+    sd = ctx.state()
 
     def op() -> None:
         with h5py.File(path, "w") as f:
@@ -591,9 +598,11 @@ def prepare_keys_files(ctx: Ctx) -> None:
     save_file(sd, ctx.path("many.safetensors"))
 
 
-SETTLED_GROUPS = ("read", "gpu")
-"""Contenders whose operation faults in fresh memory: on a machine that reports free pages to
-its hypervisor they start :func:`settle_seconds` after the previous worker exited."""
+SETTLED_GROUPS = ("read", "gpu", "write", "replace")
+"""Contenders whose operation faults in fresh memory (new tensors, or a new file's page cache):
+on a machine that reports free pages to its hypervisor they start ``--settle`` seconds after
+the previous worker exited and after their own set-up last removed a file, so every one of them
+writes into memory the host has taken back, none into memory just freed."""
 
 
 SYNCED_GROUPS = ("write", "replace")
@@ -605,13 +614,8 @@ ran 1.4-6.1 s as the kernel throttled it behind their writeback."""
 def reports_free_pages() -> bool:
     """Whether this machine is a virtual machine that hands free memory back to its hypervisor
     (virtio-balloon free page reporting, feature bit 5). There, memory freed more than ~2 s ago
-    is discarded by the host in 2 MiB blocks and costs a host fault when touched again.
-
-    Measured on this project's 2-core VM (touching 1 GiB of fresh anonymous memory): with
-    transparent huge pages 113-183 ms within 1.5 s of freeing as much, 590-1337 ms 2 s or more
-    after; with 4 KiB pages 515-668 ms either way. So which of two contenders wins by huge pages
-    depended on how long the previous process had been gone.
-    """
+    is discarded by the host in 2 MiB blocks and costs a host fault when touched again (figures
+    in bench/README.md)."""
     import glob
 
     for features in glob.glob("/sys/bus/virtio/drivers/virtio_balloon/virtio*/features"):
@@ -630,16 +634,30 @@ def settle_seconds() -> float:
     return 3.0 if reports_free_pages() else 0.0
 
 
-def worker(name: str, ctx: Ctx, not_before: float = 0.0) -> dict[str, Any]:
+def worker(name: str, ctx: Ctx, not_before: float = 0.0, settle: float = 0.0, profile: int = 0) -> dict[str, Any]:
     """Run one contender once, its timed operation starting no earlier than ``not_before``
-    (``time.time()``); returns seconds, bytes and peak RSS growth."""
+    (``time.time()``) nor, in :data:`SETTLED_GROUPS`, ``settle`` seconds after its set-up last
+    removed a file; returns seconds, bytes and peak RSS growth. With ``profile``, the operation
+    runs under cProfile and the result's ``"profile"`` holds its ``profile`` costliest functions
+    by own time (then the seconds are the profiled ones)."""
+    global _last_free
+    _last_free = 0.0
     op, nbytes = CONTENDERS[name][1](ctx)
     gc.collect()  # start every contender with the same collector state, as timeit does (see module doc)
-    if CONTENDERS[name][0] in SYNCED_GROUPS:
+    group = CONTENDERS[name][0]
+    if group in SYNCED_GROUPS:
         os.sync()
+    if group in SETTLED_GROUPS and _last_free:
+        not_before = max(not_before, _last_free + settle)
     wait = not_before - time.time()
     if wait > 0:
         time.sleep(wait)
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        op = functools.partial(profiler.runcall, op)
     rss0 = _status("VmRSS")
     _reset_peak()
     t0 = time.perf_counter()
@@ -647,7 +665,25 @@ def worker(name: str, ctx: Ctx, not_before: float = 0.0) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     peak = _status("VmHWM") - rss0
     del result
-    return {"name": name, "seconds": seconds, "bytes": nbytes, "peak_bytes": max(0, peak)}
+    out = {"name": name, "seconds": seconds, "bytes": nbytes, "peak_bytes": max(0, peak)}
+    if profiler is not None:
+        out["profile"] = _profile_text(profiler, profile)
+    return out
+
+
+def _profile_text(profiler: Any, top: int) -> str:
+    """The ``top`` functions of ``profiler`` by own time: own and cumulative milliseconds,
+    calls, and where. h5py's compiled calls count in the time of their Python caller."""
+    import pstats
+
+    stats = pstats.Stats(profiler).stats  # {(file, line, function): (prim calls, calls, own s, cum s, callers)}
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    total = sum(v[2] for v in stats.values())
+    lines = [f"  {'own ms':>8} {'cum ms':>8} {'calls':>7}  function   (own time of all functions: {total * 1e3:.1f} ms)"]
+    for (file, line, func), (_, calls, own, cum, _) in rows:
+        where = f"{os.path.basename(file)}:{line}({func})" if line else func
+        lines.append(f"  {own * 1e3:8.2f} {cum * 1e3:8.2f} {calls:7d}  {where}")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------- parent side
@@ -679,9 +715,9 @@ GPU_ORDER = [
 """Run with ``--gpu`` (they need CUDA)."""
 
 
-def _run_worker(name: str, ctx: Ctx, not_before: float = 0.0) -> dict[str, Any]:
+def _run_worker(name: str, ctx: Ctx, not_before: float = 0.0, settle: float = 0.0, profile: int = 0) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "tensorstore_h5.bench", "worker", name, ctx.dir, str(ctx.size), str(ctx.keys),
-           repr(not_before)]
+           repr(not_before), repr(settle), str(profile)]
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if r.returncode != 0:
         raise RuntimeError(f"contender {name!r} failed:\n{r.stderr[-2000:]}")
@@ -690,10 +726,13 @@ def _run_worker(name: str, ctx: Ctx, not_before: float = 0.0) -> dict[str, Any]:
 
 def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None = None,
         workdir: str | None = None, out: str | None = None, echo: Callable[[str], None] = print,
-        gpu: bool = False, settle: float | None = None) -> list[dict[str, Any]]:
+        gpu: bool = False, settle: float | None = None, profile: int = 0) -> list[dict[str, Any]]:
     """Run the contenders (``only``: a substring filter; ``gpu``: add the CUDA ones) and print
-    the table; returns the rows. ``settle``: seconds between a worker's exit and the next
-    read's timed operation (None: :func:`settle_seconds`)."""
+    the table; returns the rows. ``settle``: seconds between a worker's exit (or its set-up's
+    removing a file) and the timed operation of a contender in :data:`SETTLED_GROUPS` (None:
+    :func:`settle_seconds`). ``profile``: run every operation under cProfile and print, after
+    the table, the ``profile`` costliest functions of each contender's fastest run (the
+    table's times then include the profiler's overhead)."""
     names = [n for n in ORDER + (GPU_ORDER if gpu else []) if only is None or any(o in n for o in only.split(","))]
     tmp = tempfile.mkdtemp(prefix="th5-bench-", dir=workdir)
     ctx = Ctx(tmp, int(size_gb * 1e9), keys)
@@ -713,7 +752,7 @@ def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None
                     _run_worker(w, ctx)
         settle = settle_seconds() if settle is None else settle
         if settle:
-            echo(f"reads start {settle:g} s after the previous worker exited (--settle; see bench/README.md)")
+            echo(f"reads and writes start {settle:g} s after memory was last freed (--settle; see bench/README.md)")
         last_exit = time.time()
         bar = _contender_bar(len(names) * repeat)
         results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
@@ -722,7 +761,7 @@ def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None
                 print(f"tensorstore-h5 bench: round {r + 1} of {repeat}", file=sys.stderr)
             for name in names:
                 not_before = last_exit + settle if CONTENDERS[name][0] in SETTLED_GROUPS else 0.0
-                results[name].append(_run_worker(name, ctx, not_before))
+                results[name].append(_run_worker(name, ctx, not_before, settle, profile))
                 last_exit = time.time()
                 if CONTENDERS[name][0] == "replace":  # only these read them: give the page cache back
                     for leftover in ("raw-replaced.bin", "replaced.h5", "replaced.pt"):
@@ -740,6 +779,11 @@ def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None
             rows.append(row)
             echo(_format(row))
         _ratios(rows, echo)
+        if profile:
+            for name in names:
+                fastest = min(results[name], key=lambda r: r["seconds"])
+                echo(f"\nprofile of {name} (its fastest run, {fastest['seconds'] * 1e3:.1f} ms under cProfile):")
+                echo(fastest["profile"])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if out:
@@ -777,10 +821,13 @@ def _ratios(rows: list[dict[str, Any]], echo: Callable[[str], None]) -> None:
     def ratio(a: str, b: str, label: str, time_ratio: bool = False) -> None:
         if a in by and b in by:
             ra, rb = by[a], by[b]
-            value = ra["best_s"] / rb["best_s"] if time_ratio else rb["best_s"] / ra["best_s"]
-            echo(f"  {label:<70} {value:6.2f}")
+            values = []
+            for key in ("best_s", "median_s"):
+                if key in ra and key in rb:
+                    values.append(ra[key] / rb[key] if time_ratio else rb[key] / ra[key])
+            echo(f"  {label:<70} " + " ".join(f"{v:6.2f}" for v in values))
 
-    echo("\nratios (best times; > 1 means tensorstore_h5 is faster, except where it says 'time')")
+    echo("\nratios of best times, then of medians (> 1 means tensorstore_h5 is faster, except where it says 'time')")
     fresh = [by[n] for n in ("L.readinto fresh, 2 threads", "L.readinto fresh, 2 threads + huge pages") if n in by]
     if fresh:  # the better of the two fresh-memory limits, against the better of the two loads
         by["L.readinto fresh, best"] = min(fresh, key=lambda r: r["best_s"])
@@ -816,7 +863,9 @@ def _ratios(rows: list[dict[str, Any]], echo: Callable[[str], None]) -> None:
     if len(limits) == 2:
         for name in ("G.tensorstore_h5 load(device=cuda)", "G.tensorstore_h5 load_into (CUDA targets)"):
             if name in by:
-                echo(f"  {name[2:] + ' / min(read pinned, H2D) (>= 0.85)':<70} {max(limits) / by[name]['best_s']:6.2f}")
+                echo(f"  {name[2:] + ' / min(read pinned, H2D) (>= 0.85)':<70} {max(limits) / by[name]['best_s']:6.2f}"
+                     + (f" {max(by[n]['median_s'] for n in GPU_ORDER[:2]) / by[name]['median_s']:6.2f}"
+                        if all("median_s" in by[n] for n in (*GPU_ORDER[:2], name)) else ""))
         ratio("G.tensorstore_h5 load(device=cuda)", "G.torch.load(map_location=cuda)", "GPU load vs torch.load(map_location=cuda)")
         ratio("G.tensorstore_h5 load(device=cuda)", "G.safetensors load_file(device=cuda)", "GPU load vs safetensors load_file(cuda)")
         if "G.tensorstore_h5 load(device=cuda)" in by:
@@ -833,7 +882,9 @@ def main(argv: list[str] | None = None) -> int:
     if args and args[0] == "worker":
         name, d, size, keys = args[1], args[2], int(args[3]), int(args[4])
         not_before = float(args[5]) if len(args) > 5 else 0.0
-        print(json.dumps(worker(name, Ctx(d, size, keys), not_before)))
+        settle = float(args[6]) if len(args) > 6 else 0.0
+        profile = int(args[7]) if len(args) > 7 else 0
+        print(json.dumps(worker(name, Ctx(d, size, keys), not_before, settle, profile)))
         return 0
     import argparse
 
@@ -851,7 +902,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.gpu and not torch.cuda.is_available():
         print("tensorstore-h5 bench --gpu: CUDA is not available on this machine", file=sys.stderr)
         return 1
-    run(a.size_gb, a.keys, a.repeat, a.only, a.dir, a.json, gpu=a.gpu, settle=a.settle)
+    run(a.size_gb, a.keys, a.repeat, a.only, a.dir, a.json, gpu=a.gpu, settle=a.settle, profile=a.profile)
     return 0
 
 
@@ -863,8 +914,12 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--dir", help="where to put the files (default: the temp dir)")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--settle", type=float, default=None,
-                   help="seconds from one worker's exit to the next read's timed operation (default: 3 on a VM "
-                        "that reports free memory to its hypervisor, else 0; 0: no wait)")
+                   help="seconds from one worker's exit (or its set-up's removing a file) to the timed operation "
+                        "of a read or a write (default: 3 on a VM that reports free memory to its hypervisor, "
+                        "else 0; 0: no wait)")
+    p.add_argument("--profile", type=int, nargs="?", const=25, default=0, metavar="N",
+                   help="run each operation under cProfile and print the N (default 25) costliest functions "
+                        "of each contender's fastest run; use with --only")
     p.add_argument("--compression", action="store_true", help="measure the compression presets on real weights instead")
     p.add_argument("--gpu", action="store_true", help="add the CUDA contenders (G.): loads to the GPU against their limits")
 

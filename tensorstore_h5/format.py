@@ -200,9 +200,18 @@ def _structure(items: list[Any], file: str) -> tuple[dict[str, int], dict[str, s
     index: dict[str, int] = {}
     types: dict[str, str] = {}
     containers = tree.CONTAINER_TYPES
+    known = frozenset(containers) | frozenset(_ENTRY_FIELDS)
     for i, item in enumerate(items):
-        path = item.get("path") if type(item) is dict else None
-        kind = item.get("type") if type(item) is dict else None
+        if type(item) is dict:
+            path, kind = item.get("path"), item.get("type")
+            # the common case, in one test: a new path under an earlier container, a known type
+            if type(path) is str and kind in known and path not in index and path.rpartition("/")[0] in types:
+                index[path] = i
+                if kind in containers:
+                    types[path] = kind
+                continue
+        else:
+            path = kind = None
         why = None
         if type(path) is not str:
             why = "path is not a string"

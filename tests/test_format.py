@@ -132,6 +132,29 @@ def test_damaged_entries_name_file_and_key(tmp_path, key, changes, match) -> Non
         th5.load(path)
 
 
+_T = {"type": "tensor", "dtype": "float32", "shape": [1]}
+
+
+@pytest.mark.parametrize("entries, match", [
+    ([{"path": "", "type": "dict"}, {"path": "a", **_T}, {"path": "a", **_T}], "entry 2 \\(key 'a'\\): duplicate path"),
+    ([{"path": "a", **_T}], "entry 0 .*root entry must come first"),
+    ([{"path": "", "type": "dict"}, {"path": "", "type": "dict"}], "entry 1 .*root entry must come first"),
+    ([{"path": "", "type": "dict"}, ["a"]], "entry 1 .*path is not a string"),
+    ([{"path": "", "type": "dict"}, {"path": 3, **_T}], "entry 1 .*path is not a string"),
+    ([{"path": "", "type": "dict"}, {"path": "a", **_T}, {"path": "a/b", **_T}], "entry 2 .*parent 'a' is not an earlier container"),
+    ([{"path": "", "type": "dict"}, {"path": "a", "type": "pickle"}], "entry 1 .*unknown entry type 'pickle'"),
+])
+def test_damaged_layout_structure_names_the_entry(entries, match) -> None:
+    with pytest.raises(th5.FormatError, match=f"f.h5: damaged layout {match}"):
+        fmt.parse_layout(json.dumps({"entries": entries}), "f.h5")
+
+
+def test_layout_structure_indexes_containers_and_leaves() -> None:
+    entries = [{"path": "", "type": "dict"}, {"path": "m", "type": "list"}, {"path": "m/0", **_T}, {"path": "b", **_T}]
+    layout = fmt.parse_layout(json.dumps({"entries": entries}), "f.h5")
+    assert layout.leaf_paths == ["m/0", "b"] and layout.container_paths == ["m"]
+
+
 def test_missing_dataset_names_the_key(tmp_path) -> None:
     path = tmp_path / "d.h5"
     shutil.copy(GOLDEN, path)

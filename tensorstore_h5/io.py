@@ -196,12 +196,15 @@ class ReadPlan:
         self._futures: list[Future[None]] = []
         self.nbytes = 0
 
-    def add(self, offset: int, out: torch.Tensor) -> None:
-        """Read ``out.nbytes`` bytes at ``offset`` into the contiguous CPU tensor ``out``."""
+    def add(self, offset: int, out: torch.Tensor,
+            wrap: Callable[[Callable[[], None]], Callable[[], None]] | None = None) -> None:
+        """Read ``out.nbytes`` bytes at ``offset`` into the contiguous CPU tensor ``out``; each
+        piece's read runs as ``wrap(read)()`` when given (to name the tensor in its errors)."""
         view = memoryview(tensor_bytes(out)) if out.numel() else memoryview(b"")
         for start in range(0, len(view), PIECE_BYTES):
             piece = view[start:start + PIECE_BYTES]
-            self.add_job(functools.partial(self._raw.pread, offset + start, piece), len(piece))
+            job: Callable[[], None] = functools.partial(self._raw.pread, offset + start, piece)
+            self.add_job(job if wrap is None else wrap(job), len(piece))
 
     def add_job(self, job: Callable[[], None], cost: int) -> None:
         """Run ``job()``, which costs about as much as reading ``cost`` bytes, with the others."""

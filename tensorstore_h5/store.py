@@ -565,7 +565,7 @@ class Store:
             elif queue is None:  # one small range: read it here
                 self._keyed(lambda: raw.pread(start, memoryview(io.tensor_bytes(dest))), entry)()
             elif chunks is None:
-                queue.add(start, dest)
+                queue.add(start, dest, lambda job: self._keyed(job, entry))
             else:
                 for job in chunks.tasks(raw.pread, skip, io.tensor_bytes(dest)):
                     queue.add_job(self._keyed(job, entry), job.n * codecs.DECODE_COST)

@@ -109,6 +109,25 @@ def test_truncated_data_is_refused_before_any_target_changes(tmp_path) -> None:
     assert dst["a"].eq(0).all() and dst["b"].eq(0).all()
 
 
+@pytest.mark.parametrize("pieces", ["one range", "queued pieces"])
+def test_a_file_that_shrinks_after_open_names_the_key(tmp_path, monkeypatch, pieces) -> None:
+    """The size check at first use passed; the bytes are gone when the read runs."""
+    if pieces == "queued pieces":
+        monkeypatch.setattr(io, "PIECE_BYTES", 1000)  # every tensor goes through the read plan's pieces
+    path = tmp_path / "f.h5"
+    th5.save({"a": torch.ones(100), "b": torch.ones(300, 100)}, path)  # both above the packing size
+    with h5py.File(path) as f:
+        end_a = f["a"].id.get_offset() + 400
+        assert f["b"].id.get_offset() > end_a
+    with th5.open(path) as s:
+        for key in ("a", "b"):
+            s._base(s[key]._entry)  # checked while the file was whole
+        os.truncate(path, end_a + 8)
+        for read in (s.load, lambda: s["b"].read(), lambda: dict(s.items())):
+            with pytest.raises(th5.FormatError, match="f.h5: key 'b': cannot read the data.*truncated"):
+                read()
+
+
 def test_mmap_tensors_are_file_backed_and_copy_on_write(tmp_path) -> None:
     src = {"w": torch.randn(64, 32), "t": torch.randn(8, 4).t(), "n": torch.tensor(3), "e": torch.empty(0, 3)}
     path = tmp_path / "f.h5"

@@ -155,15 +155,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
-    argv = ["--size-gb", str(args.size_gb), "--keys", str(args.keys), "--repeat", str(args.repeat)]
-    for flag, value in (("--only", args.only), ("--dir", args.dir), ("--json", args.json),
-                        ("--settle", args.settle), ("--profile", args.profile or None)):
-        if value is not None:
-            argv += [flag, str(value)]
-    for flag in ("compression", "gpu"):
-        if getattr(args, flag):
-            argv.append("--" + flag)
-    return bench.main(argv)
+    return bench.run_args(args)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -78,7 +78,7 @@ def test_bench_ratios_use_the_better_fresh_memory_limit() -> None:
     from tensorstore_h5 import bench
 
     def row(name: str, seconds: float, nbytes: int = 10**9) -> dict:
-        return {"name": name, "best_s": seconds, "median_s": 2 * seconds, "bytes": nbytes}
+        return {"name": name, "best_s": seconds, "median_s": 2 * seconds, "bytes": nbytes, "peak_mib": 0}
 
     rows = [row("L.readinto fresh, 2 threads", 0.5), row("L.readinto fresh, 2 threads + huge pages", 0.25),
             row("R.tensorstore_h5 load", 0.4), row("R.tensorstore_h5 load (io.HUGEPAGES = True)", 0.8),
@@ -93,6 +93,12 @@ def test_bench_ratios_use_the_better_fresh_memory_limit() -> None:
     lines.clear()
     bench._ratios(rows, lines.append)
     assert any(line.split()[-2:] == ["0.62", "1.25"] for line in lines if line.strip().startswith("load (default)"))
+    gpu = [row("G.L.file read into pinned memory, 2 threads", 0.5), row("G.L.pinned host-to-device copy", 0.2),
+           row("G.tensorstore_h5 load(device=cuda)", 0.625)]
+    gpu[1]["median_s"] = 2.0  # the slower stage bounds each statistic on its own: best 0.5 s, median 2.0 s
+    lines.clear()
+    bench._ratios(gpu, lines.append)
+    assert any(line.split()[-2:] == ["0.80", "1.60"] for line in lines if "load(device=cuda) / min(read pinned, H2D)" in line)
 
 
 def test_bench_detects_free_page_reporting(tmp_path, monkeypatch) -> None:

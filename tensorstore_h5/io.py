@@ -49,10 +49,9 @@ HUGEPAGES = False
 
 Off by default. On a VM that reports free memory to its hypervisor (this project's machine),
 a 2 MiB fault lands on a block the host has taken back unless the memory was freed in the
-last ~2 s: touching 1 GiB took 590-1337 ms with huge pages, 515-668 ms with 4 KiB pages, and
-113-183 ms with huge pages only within 1.5 s of freeing as much (bench/README.md). In the
-2 GB bench, load with huge pages ran 0.38x the default. Huge pages may pay on bare metal:
-not measured here, so they stay opt-in."""
+last ~2 s, and costs more than 4 KiB faults (touch times in bench/README.md). In two 2 GB
+bench runs, load with huge pages ran 0.38x and 0.69x the default. Huge pages may pay on bare
+metal: not measured here, so they stay opt-in."""
 
 HUGEPAGE_MIN_BYTES = 4 * 2**20
 """With :data:`HUGEPAGES`, fresh outputs of at least this many bytes are advised to use
@@ -92,7 +91,6 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         except OSError:
             pass
     return torch.frombuffer(area, dtype=dtype, count=numel, offset=skip).view(shape)
-
 
 
 _pool: ThreadPoolExecutor | None = None

@@ -19,6 +19,7 @@ from .errors import (
     TensorStoreError,
     TensorStoreWarning,
     UnsupportedTypeError,
+    WriteError,
 )
 from .format import FORMAT_VERSION
 from .store import Store, TensorHandle
@@ -31,6 +32,6 @@ __version__ = "0.1.0"
 __all__ = [
     "save", "load", "load_into", "open", "convert", "Store", "TensorHandle", "Writer", "LoadResult",
     "escape", "unescape", "PRESETS", "FORMAT_VERSION",
-    "TensorStoreError", "FormatError", "UnsupportedTypeError", "KeyNotFoundError", "MismatchError",
+    "TensorStoreError", "FormatError", "UnsupportedTypeError", "KeyNotFoundError", "MismatchError", "WriteError",
     "TensorStoreWarning", "__version__",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Union
 
@@ -10,7 +11,7 @@ import torch
 
 from . import tree
 from .errors import MismatchError
-from .format import TensorEntry
+from .format import Container, TensorEntry
 from .select import Selector
 from .store import Device, Store
 
@@ -18,31 +19,38 @@ __all__ = ["load", "load_into", "LoadResult"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
+NAMED_KEYS = 5
+"""Error messages name at most this many keys, then say how many more."""
+
 
 def load(path: PathLike, *, select: Selector = None, device: Device = None, progress: bool | None = None,
-         mmap: bool = False) -> Any:
+         mmap: bool = False, verify: bool = False) -> Any:
     """Load a file (or the selected part of it) back into its saved nesting.
 
     Example::
 
         sd = th5.load("ckpt.h5", select="model/*")["model"]
         layer0 = th5.load("ckpt.h5", select=["model/layers/0"])
+        model.load_state_dict(th5.load("ckpt.h5")["model"])   # module versions (_metadata) kept
 
     Args:
         path: the file.
         select: None (everything), a glob on key paths, a list of exact keys or globs, or a
             callable ``key_path -> bool``. Exact keys may name a container (its whole subtree).
         device: None (CPU), a device, or a mapping (key path or glob -> device) or callable.
+            Tensors are allocated on it explicitly, whatever torch's default device is.
         progress: see :func:`tensorstore_h5.save`.
-        mmap: tensors backed by the file's pages (copy-on-write) where the data allows, see
+        mmap: tensors backed by the file's pages (copy-on-write) where the data allow, see
             :meth:`Store.load`.
+        verify: check every stored checksum (see :meth:`Store.load`).
 
     Raises:
         KeyNotFoundError: an exact key in ``select`` is not in the file (a KeyError).
-        FormatError: the file is not readable as a checkpoint.
+        FormatError: the file is not readable as a checkpoint, or a checksum does not match.
+        TensorStoreError: a device that does not exist here.
     """
     with Store(path) as store:
-        return store.load(select=select, device=device, progress=progress, mmap=mmap)
+        return store.load(select=select, device=device, progress=progress, mmap=mmap, verify=verify)
 
 
 class LoadResult(NamedTuple):
@@ -52,12 +60,69 @@ class LoadResult(NamedTuple):
     unexpected_keys: list[str]
 
 
-def _target_tensors(target: Any) -> dict[str, torch.Tensor]:
-    if isinstance(target, torch.nn.Module):
-        return {tree.escape(k): v for k, v in target.state_dict(keep_vars=True).items()}
-    if not isinstance(target, Mapping):
-        raise TypeError(f"load_into needs an nn.Module or a nested dict of tensors, got {type(target).__name__}")
-    return {n.path: n.value for n in tree.flatten(dict(target)) if isinstance(n, tree.Leaf) and isinstance(n.value, torch.Tensor)}
+def _few(items: list[str]) -> str:
+    """At most :data:`NAMED_KEYS` items (already formatted), then how many more."""
+    shown = ", ".join(items[:NAMED_KEYS])
+    return shown + (f" and {len(items) - NAMED_KEYS} more" if len(items) > NAMED_KEYS else "")
+
+
+def _slots(target: Any, path: str = "") -> dict[str, tuple[Any, Any]]:
+    """Key path -> (container, key) of every tensor in a nested dict/list of tensors."""
+    out: dict[str, tuple[Any, Any]] = {}
+    items = target.items() if isinstance(target, Mapping) else enumerate(target)
+    for k, v in items:
+        name = tree.name_for_key(k, path) if isinstance(target, Mapping) else str(k)
+        p = tree.join(path, name)
+        if isinstance(v, torch.Tensor):
+            out[p] = (target, k)
+        elif isinstance(v, (Mapping, list)):
+            out.update(_slots(v, p))
+    return out
+
+
+def _needs_module_loader(module: torch.nn.Module, versions: Mapping[str, Any] | None) -> bool:
+    """True when filling the tensors in place would skip something ``load_state_dict`` does:
+    a module whose own ``_load_from_state_dict`` sees another version than the one stored
+    (it converts old checkpoints), or load-state-dict hooks."""
+    for name, m in module.named_modules():
+        if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
+            return True
+        if type(m)._load_from_state_dict is not torch.nn.Module._load_from_state_dict:
+            stored = (versions or {}).get(name, {}).get("version")
+            if stored != getattr(m, "_version", None):
+                return True
+    return False
+
+
+def _alias_groups(targets: dict[str, torch.Tensor], order: list[str]) -> tuple[list[str], list[str]]:
+    """Of targets that are one tensor (the same view of the same memory), the key filled: the
+    last in file order; ``(keys to fill, problems)``. Targets whose memory overlaps without
+    being the same view are a problem (which value would win is undefined)."""
+    rank = {k: i for i, k in enumerate(order)}
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    spans = []
+    for k in order:
+        t = targets[k]
+        if t.is_meta or t.numel() == 0:
+            groups[("own", k)] = [k]
+            continue
+        ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if ident not in groups:
+            lo = t.data_ptr()
+            hi = lo + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+            spans.append((str(t.device), lo, hi, k))
+        groups.setdefault(ident, []).append(k)
+    problems = []
+    spans.sort()
+    for (d0, _, hi0, k0), (d1, lo1, _, k1) in zip(spans, spans[1:]):
+        if d0 == d1 and lo1 < hi0:
+            problems.append(f"targets {k0!r} and {k1!r} share memory without being the same tensor")
+    fill = [max(keys, key=rank.__getitem__) for keys in groups.values()]
+    return sorted(fill, key=rank.__getitem__), problems
+
+
+def _problem(what: str, keys: list[str]) -> list[str]:
+    return [f"{what}: {_few(keys)}"] if keys else []
 
 
 def load_into(
@@ -67,49 +132,119 @@ def load_into(
     select: Selector = None,
     prefix: str = "",
     strict: bool = True,
+    assign: bool = False,
+    device: Any = None,
+    strict_dtype: bool = False,
     progress: bool | None = None,
+    verify: bool = False,
 ) -> LoadResult:
-    """Fill the tensors of ``target`` in place (same ``data_ptr``) from ``path``.
+    """Fill the tensors of ``target`` from ``path``, like ``target.load_state_dict``, reading
+    each tensor's bytes straight into it (same ``data_ptr``).
 
     ``target`` is an ``nn.Module`` (its ``state_dict(keep_vars=True)``: parameters and
-    buffers) or a nested dict of tensors. The stored key path of a target tensor is
-    ``prefix`` + its key path (``prefix="model/"`` for a file saved as ``{"model": sd}``).
-    Every shape and dtype is checked before anything is written.
+    persistent buffers) or a nested dict of tensors. The stored key path of a target tensor
+    is ``prefix`` + its key path (``prefix="model/"`` for a file saved as ``{"model": sd}``).
+    Everything is checked before anything is written.
+
+    - A stored tensor of another dtype is cast into the target, as ``copy_`` does (unless
+      ``strict_dtype``); shapes must match.
+    - Targets that are one tensor (tied weights) are filled once, from the last of their
+      keys in file order; targets that share memory otherwise are refused.
+    - Targets on the meta device (``init_empty_weights``) need ``assign=True``, which
+      replaces every loaded parameter and buffer by a new tensor read from the file, as
+      ``load_state_dict(assign=True)`` does (``nn.Parameter`` and ``requires_grad`` of the
+      module kept), on ``device`` or each target's device (the CPU for meta targets).
+    - A module whose ``_load_from_state_dict`` converts checkpoints of another version than
+      the file's (saved ``state_dict()._metadata``), or that has load-state-dict hooks, is
+      loaded through ``load_state_dict`` itself with the file's versions (after the same
+      checks), so it converts the tensors as it would from ``torch.load``.
+
+    Args:
+        select: keys of the file to consider (see :func:`load`).
+        prefix: stored key path prefix of the target's keys.
+        strict: refuse missing and unexpected keys.
+        assign: see above.
+        device: with ``assign``, where the new tensors go.
+        strict_dtype: refuse dtype differences instead of casting.
+        progress: see :func:`tensorstore_h5.save`.
+        verify: check every stored checksum before any target changes.
 
     Returns:
         LoadResult(missing_keys, unexpected_keys), target-side and file-side key paths.
 
     Raises:
-        MismatchError: strict and some keys are missing or unexpected, or a stored tensor's
-            shape or dtype differs from its target; no target has changed.
+        MismatchError: strict and some keys are missing or unexpected; a shape (or, with
+            ``strict_dtype``, a dtype) differs; meta targets without ``assign``; targets
+            that overlap. No target has changed. Messages name a few keys, then how many more.
         KeyNotFoundError: an exact key in ``select`` is not in the file.
-        FormatError: the file is not readable as a checkpoint.
+        FormatError: the file is not readable as a checkpoint (nothing changed).
     """
-    targets = _target_tensors(target)
+    if device is not None and not assign:
+        raise ValueError("device= says where assign=True puts new tensors; without assign, targets keep their memory")
+    module = target if isinstance(target, torch.nn.Module) else None
+    if module is not None:
+        names = {tree.escape(k): k for k in module.state_dict(keep_vars=True)}
+        targets = {e: v for e, v in zip(names, module.state_dict(keep_vars=True).values())}
+    elif isinstance(target, Mapping):
+        slots = _slots(target)
+        targets = {p: c[k] for p, (c, k) in slots.items()}
+    else:
+        raise TypeError(f"load_into needs an nn.Module or a nested dict of tensors, got {type(target).__name__}")
     with Store(path) as store:
         file_keys = [k for k in store.selected_keys(select) if k.startswith(prefix)]
         stored = {k[len(prefix):]: k for k in file_keys}
         missing = [k for k in targets if k not in stored]
         unexpected = [stored[k] for k in stored if k not in targets]
-        problems = []
-        if strict and (missing or unexpected):
-            problems.append(f"missing keys {missing[:10]}, unexpected keys {unexpected[:10]}"
-                            + (" (and more)" if len(missing) > 10 or len(unexpected) > 10 else ""))
-        pairs = []
-        for k, t in targets.items():
-            if k not in stored:
-                continue
-            entry = store._entry(stored[k])
+        holder = store._layout.entry(prefix[:-1] if prefix.endswith("/") else prefix)
+        versions = holder.module_metadata if isinstance(holder, Container) else None
+        through_module = module is not None and (assign or _needs_module_loader(module, versions))
+        order = [k[len(prefix):] for k in file_keys if k[len(prefix):] in targets]
+        not_tensor, shapes, dtypes, meta = [], [], [], []
+        for k in order:
+            entry, t = store._entry(stored[k]), targets[k]
             if not isinstance(entry, TensorEntry):
-                problems.append(f"{stored[k]!r} is not a tensor in the file")
-            elif tuple(entry.shape) != tuple(t.shape) or entry.dtype.torch_dtype != t.dtype:
-                problems.append(
-                    f"{stored[k]!r}: stored {list(entry.shape)} {entry.dtype.name}, target {list(t.shape)} "
-                    f"{str(t.dtype).removeprefix('torch.')}"
-                )
-            else:
-                pairs.append((store[stored[k]], t))
+                not_tensor.append(repr(stored[k]))
+            elif tuple(entry.shape) != tuple(t.shape):
+                shapes.append(f"{stored[k]!r} (stored {list(entry.shape)}, target {list(t.shape)})")
+            elif strict_dtype and entry.dtype.torch_dtype != t.dtype:
+                dtypes.append(f"{stored[k]!r} (stored {entry.dtype.name}, target {str(t.dtype).removeprefix('torch.')})")
+            elif t.is_meta and not assign:
+                meta.append(repr(k))
+        problems = []
+        if strict and (missing or unexpected) and not through_module:
+            problems += _problem("missing keys", [repr(k) for k in missing])
+            problems += _problem("unexpected keys", [repr(k) for k in unexpected])
+        problems += _problem("shapes differ", shapes) + _problem("not tensors in the file", not_tensor)
+        problems += _problem("dtypes differ (strict_dtype)", dtypes)
+        problems += _problem("targets on the meta device have no memory to fill; pass assign=True to materialise them "
+                             "from the file", meta)
+        fill, overlap = _alias_groups(targets, order) if not assign else (order, [])
+        problems += overlap[:NAMED_KEYS]
         if problems:
             raise MismatchError(f"{store.path}: cannot load into the target; nothing was changed: " + "; ".join(problems))
-        store._read_into(pairs, progress)
+
+        def place(key: str) -> Any:
+            t = targets.get(key[len(prefix):])
+            return device if device is not None else (None if t is None or t.is_meta else t.device)
+
+        if through_module:
+            assert module is not None
+            sd: OrderedDict[str, Any] = OrderedDict()
+            for key, value in store.items(select=file_keys, device=place, verify=verify):
+                rel = key[len(prefix):]
+                sd[names.get(rel, rel)] = value
+            if versions is not None:
+                sd._metadata = OrderedDict((p, dict(v)) for p, v in versions.items())  # type: ignore[attr-defined]
+            try:
+                result = module.load_state_dict(sd, strict=strict, assign=assign)
+            except RuntimeError as e:
+                raise MismatchError(f"{store.path}: load_state_dict refused the checkpoint: {e}") from e
+            return LoadResult([tree.escape(k) for k in result.missing_keys],
+                              [prefix + tree.escape(k) for k in result.unexpected_keys])
+        if assign:
+            for key, value in store.items(select=[stored[k] for k in order], device=place, verify=verify):
+                container, k = slots[key[len(prefix):]]
+                container[k] = value
+            return LoadResult(missing, unexpected)
+        store._read_into([(store._entry(stored[k]), targets[k]) for k in fill], progress, verify)
     return LoadResult(missing, unexpected)

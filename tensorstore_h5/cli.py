@@ -127,14 +127,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Read every byte of every leaf; report the first problem."""
+    """Read every byte of every leaf, checking checksums (format 2), and check the layout
+    against the HDF5 metadata; report the problems."""
+    from .hdf5source import verify_layout
+
     with Store(args.file) as store:
         n = total = 0
-        for _key, value in store.items():
+        for _key, value in store.items(verify=True):
             n += 1
             if isinstance(value, torch.Tensor):
                 total += value.numel() * value.element_size()
-    print(f"{args.file}: OK, {n} keys, {human_bytes(total)} of tensor data read")
+        problems = list(verify_layout(store.path, store._layout)) if store.format_version == 2 else []
+        version = store.format_version
+    if problems:
+        for p in problems:
+            print(f"{args.file}: {p}", file=sys.stderr)
+        print(f"{args.file}: FAILED, {len(problems)} problem(s)", file=sys.stderr)
+        return 1
+    what = ("checksums and HDF5 metadata agree" if version == 2 else
+            "format 1 has no checksums: structure checked" if version == 1 else "a foreign HDF5 file: structure checked")
+    print(f"{args.file}: OK, {n} keys, {human_bytes(total)} of tensor data read; {what}")
     return 0
 
 

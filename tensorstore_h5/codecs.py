@@ -1,65 +1,57 @@
-"""Parallel decode of compressed datasets, byte-identical to HDF5's filter path.
+"""Decoding compressed chunks: in parallel, and with every chunk checked before a decoder sees it.
 
-HDF5 decodes a filtered dataset one chunk at a time, under h5py's global lock, on one core.
-For datasets whose chunks are blocks of whole rows (what the writer makes, and what most
-writers make for weights) and whose pipeline is a single filter this module knows, the raw
-chunks are instead read with ``os.preadv`` and decoded by the very filter libraries that
-``hdf5plugin`` ships and HDF5 itself calls (through ``ctypes``, which releases the GIL), on the
-I/O thread pool. Known filters: Blosc2 (32026, plain and B2ND frames) and Bitshuffle (32008)
-with LZ4 or Zstd. Any other dataset, and any chunk this module cannot decode, is read by HDF5.
+HDF5 decodes a filtered dataset one chunk at a time, under h5py's global lock, on one core,
+and trusts every chunk. Here the stored chunks of a :class:`~tensorstore_h5.format.Chunked`
+extent are read with ``os.preadv`` and decoded by the very filter libraries that
+``hdf5plugin`` ships (through ``ctypes``, which releases the GIL) on the I/O thread pool.
+Because every chunk is one consecutive run of the logical bytes, a compressed dataset is
+read like an uncompressed one: any byte range, decoding only the chunks it touches.
 
-Because row-block chunks are consecutive byte ranges of the row-major array, a compressed
-dataset is read here like an uncompressed one: any byte range ``[offset, offset + n)`` of its
-logical bytes, decoding only the chunks it touches. Chunks entirely inside the range decode
-straight into the destination; the edge chunks (and HDF5's padded last chunk) decode into a
-per-thread scratch buffer of one chunk.
+Hostile chunks: the C decoders trust lengths inside the chunk, so before calling one this
+module checks the framing against the chunk's stored size and its decoded size against the
+chunk's: Bitshuffle's block table is walked and must account for exactly the stored bytes;
+a Blosc2 frame must have the dataset's type size, and a B2ND frame exactly the chunk's shape.
+Every decode must fill exactly the chunk's bytes, or :class:`DecodeError` is raised: no byte
+of output is ever left unwritten.
 """
 
 from __future__ import annotations
 
 import ctypes
-import math
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import h5py
-import numpy as np
-import torch
+from . import checksum
+from .format import BITSHUFFLE_ID, BLOSC2_ID, Chunked
+from .io import run_jobs
 
-from .io import read_hdf5, run_jobs
-from .slicing import rows
-
-__all__ = ["PARALLEL_DECODE", "DECODE_COST", "DecodeError", "RowChunks", "row_chunks", "decoder_for"]
-
-PARALLEL_DECODE = True
-"""Decode known filters here, in parallel; False sends every compressed read through HDF5's
-own (single-threaded) filter path, as the benchmark does to compare the two."""
+__all__ = ["DECODE_COST", "DecodeError", "ChunkReader", "decoder_for"]
 
 DECODE_COST = 8
 """Decoding a byte costs about as much as reading this many (batches of jobs are sized by cost)."""
 
-BLOSC2_ID = 32026
-BITSHUFFLE_ID = 32008
 _BSHUF_LZ4, _BSHUF_ZSTD = 2, 3
+_BSHUF_BLOCKED_MULT = 8  # bitshuffle blocks hold a multiple of 8 elements
 
 
 class DecodeError(Exception):
-    """A chunk that this module could not decode (the caller reads it through HDF5)."""
+    """A chunk that does not decode to exactly its bytes (damaged or hostile)."""
 
 
 Decoder = Callable[[Any, int, int, int], None]
 """decode(src buffer, src bytes, destination address, destination bytes): fill exactly
 ``destination bytes`` bytes or raise DecodeError."""
 
-
 _libs: dict[str, Any] = {}
 _libs_lock = threading.Lock()
 
 
-def _library(name: str) -> Any | None:
-    """hdf5plugin's filter library ``name`` (the same file HDF5 loaded), or None."""
+def _library(name: str) -> Any:
+    """hdf5plugin's filter library ``name`` (the same file HDF5 loads). Raises DecodeError
+    when hdf5plugin or the library is missing."""
     with _libs_lock:
         if name not in _libs:
             try:
@@ -67,95 +59,189 @@ def _library(name: str) -> Any | None:
 
                 lib = ctypes.CDLL(f"{hdf5plugin.PLUGIN_PATH}/{name}")
                 _declare(name, lib)
-            except (ImportError, OSError, AttributeError):
-                lib = None
+            except (ImportError, OSError, AttributeError) as e:
+                lib = e
             _libs[name] = lib
-        return _libs[name]
+        lib = _libs[name]
+    if isinstance(lib, Exception):
+        raise DecodeError(f"cannot load hdf5plugin's {name} ({lib}); install hdf5plugin")
+    return lib
 
 
 def _declare(name: str, lib: Any) -> None:
-    vp, i64, sz = ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t
+    vp, i64, sz, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t, ctypes.c_int32
     if name == "libh5bshuf.so":
         for fn in (lib.bshuf_decompress_lz4, lib.bshuf_decompress_zstd):
             fn.argtypes = [vp, vp, sz, sz, sz]
             fn.restype = i64
-    else:
-        lib.blosc2_init.argtypes = []
-        lib.blosc2_init.restype = None
-        lib.blosc2_schunk_from_buffer.argtypes = [vp, i64, ctypes.c_bool]
-        lib.blosc2_schunk_from_buffer.restype = vp
-        lib.blosc2_schunk_decompress_chunk.argtypes = [vp, i64, vp, ctypes.c_int32]
-        lib.blosc2_schunk_decompress_chunk.restype = ctypes.c_int
-        lib.blosc2_schunk_free.argtypes = [vp]
-        lib.blosc2_schunk_free.restype = ctypes.c_int
-        lib.b2nd_from_cframe.argtypes = [vp, i64, ctypes.c_bool, ctypes.POINTER(vp)]
-        lib.b2nd_from_cframe.restype = ctypes.c_int
-        lib.b2nd_to_cbuffer.argtypes = [vp, vp, i64]
-        lib.b2nd_to_cbuffer.restype = ctypes.c_int
-        lib.b2nd_free.argtypes = [vp]
-        lib.b2nd_free.restype = ctypes.c_int
-        lib.blosc2_init()
+        return
+    lib.blosc2_init.argtypes = []
+    lib.blosc2_init.restype = None
+    lib.blosc2_schunk_from_buffer.argtypes = [vp, i64, ctypes.c_bool]
+    lib.blosc2_schunk_from_buffer.restype = vp
+    lib.blosc2_schunk_decompress_chunk.argtypes = [vp, i64, vp, i32]
+    lib.blosc2_schunk_decompress_chunk.restype = ctypes.c_int
+    lib.blosc2_schunk_free.argtypes = [vp]
+    lib.blosc2_schunk_free.restype = ctypes.c_int
+    lib.b2nd_from_schunk.argtypes = [vp, ctypes.POINTER(vp)]
+    lib.b2nd_from_schunk.restype = ctypes.c_int
+    lib.b2nd_to_cbuffer.argtypes = [vp, vp, i64]
+    lib.b2nd_to_cbuffer.restype = ctypes.c_int
+    lib.b2nd_free.argtypes = [vp]
+    lib.b2nd_free.restype = ctypes.c_int
+    lib.blosc2_init()
 
 
-def _bitshuffle(lib: Any, codec: int, elem_size: int) -> Decoder:
+# ---------------------------------------------------------------------------- Bitshuffle
+
+
+def bitshuffle_consumed(data: memoryview, elem_size: int, total: int, block_bytes: int) -> int:
+    """Bytes that a Bitshuffle chunk body (after its 12-byte header) of ``total`` decoded
+    bytes occupies, from its block table; DecodeError when the table runs past ``data``."""
+    size, block = total // elem_size, block_bytes // elem_size
+    blocks = [block] * (size // block)
+    last = size % block
+    last -= last % _BSHUF_BLOCKED_MULT
+    if last:
+        blocks.append(last)
+    pos, n = 0, len(data)
+    for _ in blocks:
+        if pos + 4 > n:
+            raise DecodeError("bitshuffle chunk ends inside its block table")
+        pos += 4 + int.from_bytes(data[pos:pos + 4], "big")
+        if pos > n:
+            raise DecodeError("bitshuffle block runs past the end of its chunk")
+    return pos + (size % _BSHUF_BLOCKED_MULT) * elem_size  # the last elements are stored as they are
+
+
+def _bitshuffle(codec: int, elem_size: int) -> Decoder:
+    lib = _library("libh5bshuf.so")
     fn = lib.bshuf_decompress_lz4 if codec == _BSHUF_LZ4 else lib.bshuf_decompress_zstd
 
     def decode(src: Any, n: int, dst: int, dst_n: int) -> None:
-        # Chunk header: uint64 BE decoded bytes, uint32 BE block size in bytes.
-        head = bytes(memoryview(src)[:12]) if n >= 12 else b""
-        if len(head) < 12:
+        view = memoryview(src).cast("B")[:n]
+        if n < 12:
             raise DecodeError("bitshuffle chunk shorter than its header")
-        total, block = int.from_bytes(head[:8], "big"), int.from_bytes(head[8:12], "big")
-        if total != dst_n or total % elem_size or block % elem_size:
+        total, block = int.from_bytes(view[:8], "big"), int.from_bytes(view[8:12], "big")
+        if total != dst_n or total % elem_size:
             raise DecodeError(f"bitshuffle chunk holds {total} bytes, expected {dst_n}")
+        if block <= 0 or block % elem_size or (block // elem_size) % _BSHUF_BLOCKED_MULT:
+            raise DecodeError(f"bitshuffle block size {block} is not a multiple of 8 elements of {elem_size} bytes")
+        if bitshuffle_consumed(view[12:], elem_size, total, block) != n - 12:
+            raise DecodeError("bitshuffle block table does not account for the chunk's stored bytes")
         got = fn(ctypes.addressof(src) + 12, dst, total // elem_size, elem_size, block // elem_size)
-        if got < 0 or got > n - 12:
+        if got != n - 12:
             raise DecodeError(f"bitshuffle decode failed ({got})")
 
     return decode
 
 
-def _blosc2(lib: Any, b2nd_first: bool) -> Decoder:
-    def b2nd(src: Any, n: int, dst: int, dst_n: int) -> bool:
-        array = ctypes.c_void_p()
-        if lib.b2nd_from_cframe(ctypes.addressof(src), n, False, ctypes.byref(array)) < 0 or not array.value:
-            return False
-        try:
-            return lib.b2nd_to_cbuffer(array, dst, dst_n) >= 0
-        finally:
-            lib.b2nd_free(array)
+# ---------------------------------------------------------------------------- Blosc2
 
-    def plain(src: Any, n: int, dst: int, dst_n: int) -> bool:
-        schunk = lib.blosc2_schunk_from_buffer(ctypes.addressof(src), n, False)
-        if not schunk:
-            return False
-        try:
-            return lib.blosc2_schunk_decompress_chunk(schunk, 0, dst, dst_n) == dst_n
-        finally:
-            lib.blosc2_schunk_free(schunk)
+_FRAME_MAGIC = b"b2frame\x00"
+_FRAME_TYPESIZE = 47  # msgpack int32 marker, then the type size (big-endian), in every cframe header
+_FRAME_METALAYERS = 87  # fixarray(3), uint16 index size, map16 of {name: int32 offset of its content}
 
-    order = (b2nd, plain) if b2nd_first else (plain, b2nd)
+
+def frame_metalayer(frame: bytes, names: tuple[bytes, ...] = (b"b2nd", b"caterva")) -> bytes | None:
+    """The content of the first metalayer called one of ``names`` in a Blosc2 frame header
+    (see c-blosc2's README_CFRAME_FORMAT), or None when it has none. Raises DecodeError for
+    a header that does not parse."""
+    try:
+        if frame[10] != 0xD2:
+            raise DecodeError("Blosc2 frame header has no size")
+        hsize = struct.unpack_from(">i", frame, 11)[0]
+        if not _FRAME_METALAYERS + 7 <= hsize <= len(frame):
+            raise DecodeError("Blosc2 frame header size out of range")
+        pos = _FRAME_METALAYERS
+        if frame[pos] != 0x93 or frame[pos + 1] != 0xCD or frame[pos + 4] != 0xDE:
+            raise DecodeError("Blosc2 frame header without a metalayer map")
+        count = struct.unpack_from(">H", frame, pos + 5)[0]
+        pos += 7
+        for _ in range(count):
+            n = frame[pos] - 0xA0
+            if not 0 <= n < 32:
+                raise DecodeError("Blosc2 metalayer name is not a short string")
+            name = frame[pos + 1:pos + 1 + n]
+            pos += 1 + n
+            if frame[pos] != 0xD2:
+                raise DecodeError("Blosc2 metalayer offset is not int32")
+            at = struct.unpack_from(">i", frame, pos + 1)[0]
+            pos += 5
+            if name in names:
+                if not 0 < at <= hsize - 5 or frame[at] != 0xC6:
+                    raise DecodeError("Blosc2 metalayer content out of the header")
+                length = struct.unpack_from(">i", frame, at + 1)[0]
+                if not 0 <= length <= hsize - at - 5:
+                    raise DecodeError("Blosc2 metalayer content out of the header")
+                return bytes(frame[at + 5:at + 5 + length])
+    except (IndexError, struct.error):
+        raise DecodeError("truncated Blosc2 frame header") from None
+    return None
+
+
+def b2nd_shape(meta: bytes) -> tuple[int, ...]:
+    """The array shape in a ``b2nd`` metalayer (msgpack: [version, ndim, shape, chunkshape,
+    blockshape, dtype format, dtype]). Raises DecodeError for anything else."""
+    try:
+        if meta[0] & 0xF0 != 0x90 or meta[1] > 0x7F or meta[2] > 0x7F or meta[3] != 0x90 + meta[2]:
+            raise DecodeError("not a b2nd metalayer")
+        ndim, pos, shape = meta[2], 4, []
+        for _ in range(ndim):
+            if meta[pos] != 0xD3:
+                raise DecodeError("b2nd shape is not int64")
+            shape.append(struct.unpack_from(">q", meta, pos + 1)[0])
+            pos += 9
+    except (IndexError, struct.error):
+        raise DecodeError("truncated b2nd metalayer") from None
+    return tuple(shape)
+
+
+def _blosc2(itemsize: int, chunk_shape: tuple[int, ...]) -> Decoder:
+    lib = _library("libh5blosc2.so")
 
     def decode(src: Any, n: int, dst: int, dst_n: int) -> None:
-        if not (order[0](src, n, dst, dst_n) or order[1](src, n, dst, dst_n)):
-            raise DecodeError("Blosc2 frame could not be decoded")
+        frame = memoryview(src).cast("B")[:n]
+        if n < 52 or frame[2:10] != _FRAME_MAGIC or frame[_FRAME_TYPESIZE] != 0xD2:
+            raise DecodeError("not a Blosc2 frame")
+        if struct.unpack_from(">i", frame, _FRAME_TYPESIZE + 1)[0] != itemsize:
+            raise DecodeError(f"Blosc2 frame of another type size than the dataset's {itemsize}")
+        meta = frame_metalayer(frame)
+        if meta is not None and b2nd_shape(meta) != chunk_shape:
+            raise DecodeError(f"B2ND frame of shape {list(b2nd_shape(meta))}, expected {list(chunk_shape)}")
+        schunk = lib.blosc2_schunk_from_buffer(ctypes.addressof(src), n, False)
+        if not schunk:
+            raise DecodeError("Blosc2 frame could not be parsed")
+        if meta is None:  # a plain frame: its first chunk must be exactly the chunk's bytes
+            try:
+                if lib.blosc2_schunk_decompress_chunk(schunk, 0, dst, dst_n) != dst_n:
+                    raise DecodeError("Blosc2 frame does not decode to the chunk's bytes")
+            finally:
+                lib.blosc2_schunk_free(schunk)
+            return
+        array = ctypes.c_void_p()  # B2ND: an array of exactly the chunk's shape and type size
+        if lib.b2nd_from_schunk(schunk, ctypes.byref(array)) < 0 or not array.value:
+            lib.blosc2_schunk_free(schunk)
+            raise DecodeError("B2ND frame could not be parsed")
+        try:  # the array owns the super-chunk now
+            if lib.b2nd_to_cbuffer(array, dst, dst_n) < 0:
+                raise DecodeError("B2ND frame could not be decoded")
+        finally:
+            lib.b2nd_free(array)
 
     return decode
 
 
-def decoder_for(dcpl: h5py.h5p.PropDCID, itemsize: int) -> Decoder | None:
-    """The decoder of a dataset's filter pipeline, or None if it is not one known filter."""
-    if dcpl.get_nfilters() != 1:
-        return None
-    code, _flags, values, _name = dcpl.get_filter(0)
-    if code == BITSHUFFLE_ID and len(values) >= 5 and values[4] in (_BSHUF_LZ4, _BSHUF_ZSTD):
-        lib = _library("libh5bshuf.so")
-        return None if lib is None else _bitshuffle(lib, values[4], values[2] or itemsize)
-    if code == BLOSC2_ID:
-        lib = _library("libh5blosc2.so")
-        return None if lib is None else _blosc2(lib, b2nd_first=len(values) >= 8)
-    return None
+def decoder_for(extent: Chunked) -> Decoder:
+    """The decoder of an extent's filter (checked by ``format.check_chunked``)."""
+    if extent.filter_id == BITSHUFFLE_ID:
+        return _bitshuffle(extent.filter_values[4], extent.itemsize)
+    if extent.filter_id == BLOSC2_ID:
+        return _blosc2(extent.itemsize, extent.chunk_shape)
+    raise DecodeError(f"no decoder for filter {extent.filter_id}")
 
+
+# ---------------------------------------------------------------------------- reading chunks
 
 _scratch = threading.local()
 
@@ -169,124 +255,82 @@ def _buffer(name: str, n: int) -> Any:
     return buf
 
 
-@dataclass(frozen=True)
-class _Chunk:
-    offset: int  # file offset of the stored chunk
-    size: int  # stored bytes
-    filtered: bool  # False when HDF5 skipped the (optional) filter and stored the bytes raw
+Pread = Callable[[int, memoryview], None]
 
 
-class RowChunks:
-    """The chunk index and decoder of one row-chunked, filtered dataset.
+class ChunkReader:
+    """Reads logical byte ranges of a :class:`Chunked` extent, one job per touched chunk.
 
-    Chunk ``k`` holds logical bytes ``[k * chunk_bytes, (k + 1) * chunk_bytes)`` of the
-    row-major array (the last one is padded by HDF5 to a full chunk).
+    With ``verify``, each chunk's logical bytes are checked against its recorded hash right
+    after they are decoded (raising ``checksum.ChecksumError``).
     """
 
-    def __init__(self, dsid: h5py.h5d.DatasetID, chunks: list[_Chunk], chunk_bytes: int, nbytes: int,
-                 chunk_rows: int, decode: Decoder) -> None:
-        self._dsid = dsid
-        self.chunks = chunks
-        self.chunk_bytes = chunk_bytes
-        self.nbytes = nbytes
-        self._chunk_rows = chunk_rows
-        self._decode = decode
-        self.fallbacks = 0  # chunks read through HDF5 because they did not decode here
+    def __init__(self, extent: Chunked, pread: Pread, verify: bool = False) -> None:
+        self.extent = extent
+        self._pread = pread
+        self._decode = decoder_for(extent)
+        self._verify = verify and extent.hashes is not None
+        self.chunk_bytes = extent.chunk_bytes
 
-    def tasks(self, pread: Callable[[int, memoryview], None], offset: int, dest: Any) -> list[Callable[[], None]]:
-        """Jobs that together fill ``dest`` (a writable buffer: numpy uint8 array or memoryview)
-        with logical bytes ``[offset, offset + len(dest))``, one job per touched chunk."""
-        n = len(dest)
+    def tasks(self, offset: int, dest: Any) -> list[Callable[[], None]]:
+        """Jobs that together fill ``dest`` (a writable buffer) with logical bytes
+        ``[offset, offset + len(dest))``. With ``verify`` every touched chunk is read whole."""
+        view = memoryview(dest).cast("B")
+        n = len(view)
         if n == 0:
             return []
-        if offset < 0 or offset + n > self.nbytes:
-            raise ValueError(f"byte range {offset}..{offset + n} outside the dataset's {self.nbytes} bytes")
-        address = np.frombuffer(dest, dtype=np.uint8).ctypes.data
-        cb = self.chunk_bytes
+        ext = self.extent
+        if offset < 0 or offset + n > ext.nbytes:
+            raise ValueError(f"byte range {offset}..{offset + n} outside the dataset's {ext.nbytes} bytes")
+        address = ctypes.addressof(ctypes.c_char.from_buffer(view))
         jobs = []
-        for k in range(offset // cb, (offset + n - 1) // cb + 1):
-            lo, hi = max(offset, k * cb), min(offset + n, (k + 1) * cb)
-            jobs.append(_Job(self, pread, k, lo - k * cb, hi - lo, address + lo - offset))
+        k = ext.locate(offset)
+        while True:
+            start, valid = ext.span(k)
+            if start >= offset + n:
+                break
+            lo, hi = max(offset, start), min(offset + n, start + valid)
+            jobs.append(_Job(self, k, lo - start, hi - lo, address + lo - offset))
+            k += 1
+            if k >= len(ext.chunks):
+                break
         return jobs
 
-    def read(self, pread: Callable[[int, memoryview], None], offset: int, dest: Any) -> None:
-        """Fill ``dest`` with logical bytes from ``offset``, decoding the chunks on the thread pool."""
-        run_jobs(self.tasks(pread, offset, dest))
+    def read(self, offset: int, dest: Any) -> None:
+        """Fill ``dest`` with logical bytes from ``offset``, decoding chunks on the thread pool."""
+        run_jobs(self.tasks(offset, dest))
 
-    def _chunk_into(self, pread: Callable[[int, memoryview], None], k: int, dst: int) -> None:
-        """Decode chunk ``k`` (``chunk_bytes`` bytes) to address ``dst``."""
-        c = self.chunks[k]
-        if not c.filtered and c.size == self.chunk_bytes:
-            pread(c.offset, memoryview((ctypes.c_char * c.size).from_address(dst)).cast("B"))
-            return
-        src = _buffer("raw", c.size)
-        pread(c.offset, memoryview(src).cast("B")[:c.size])
-        try:
-            if not c.filtered:
-                raise DecodeError("unfiltered chunk of an unexpected size")
-            self._decode(src, c.size, dst, self.chunk_bytes)
-        except DecodeError:
-            self.fallbacks += 1
-            self._hdf5_chunk(k, dst)
-
-    def _hdf5_chunk(self, k: int, dst: int) -> None:
-        """HDF5's own read of chunk ``k``'s rows (its filter path) to address ``dst``."""
-        rows_total = self._dsid.shape[0]
-        first = k * self._chunk_rows
-        stop = min(rows_total, first + self._chunk_rows)
-        nbytes = (stop - first) * (self.chunk_bytes // self._chunk_rows)
-        out = torch.frombuffer((ctypes.c_char * max(nbytes, 1)).from_address(dst), dtype=torch.uint8)[:nbytes]
-        read_hdf5(self._dsid, self._dsid.get_type(), out, rows(self._dsid.shape, first, stop))
+    def decode_chunk(self, k: int, dst: int) -> None:
+        """Decode chunk ``k`` (``chunk_bytes`` bytes) to address ``dst``; check its hash."""
+        off, size, raw = self.extent.chunks[k]
+        if raw:
+            self._pread(off, memoryview((ctypes.c_char * size).from_address(dst)).cast("B"))
+        else:
+            src = _buffer("raw", size)
+            self._pread(off, memoryview(src).cast("B")[:size])
+            self._decode(src, size, dst, self.chunk_bytes)
+        if self._verify:
+            valid = self.extent.span(k)[1]
+            assert self.extent.hashes is not None
+            if checksum.digest(memoryview((ctypes.c_char * valid).from_address(dst)).cast("B")) != self.extent.hashes[k]:
+                raise checksum.ChecksumError(f"checksum mismatch in chunk {k}")
 
 
 @dataclass
 class _Job:
     """Fill ``n`` bytes at address ``dst`` from byte ``lo`` of chunk ``k``."""
 
-    chunks: RowChunks
-    pread: Callable[[int, memoryview], None]
+    reader: ChunkReader
     k: int
     lo: int
     n: int
     dst: int
 
     def __call__(self) -> None:
-        rc = self.chunks
+        rc = self.reader
         if self.lo == 0 and self.n == rc.chunk_bytes:
-            rc._chunk_into(self.pread, self.k, self.dst)
+            rc.decode_chunk(self.k, self.dst)
             return
         scratch = _buffer("chunk", rc.chunk_bytes)
-        rc._chunk_into(self.pread, self.k, ctypes.addressof(scratch))
+        rc.decode_chunk(self.k, ctypes.addressof(scratch))
         ctypes.memmove(self.dst, ctypes.addressof(scratch) + self.lo, self.n)
-
-
-def row_chunks(dsid: h5py.h5d.DatasetID, itemsize: int, dcpl: h5py.h5p.PropDCID | None = None) -> RowChunks | None:
-    """The :class:`RowChunks` of a chunked, filtered dataset whose chunks are blocks of whole
-    rows and whose filter this module decodes; None for anything else (read by HDF5).
-    ``dcpl``: the dataset's creation properties, where the caller has them already."""
-    dcpl = dsid.get_create_plist() if dcpl is None else dcpl
-    if not PARALLEL_DECODE or dcpl.get_layout() != h5py.h5d.CHUNKED or dcpl.get_nfilters() == 0:
-        return None
-    shape = dsid.shape
-    chunk = dcpl.get_chunk()
-    if not shape or tuple(chunk[1:]) != tuple(shape[1:]) or dsid.get_type().get_size() != itemsize:
-        return None
-    decode = decoder_for(dcpl, itemsize)
-    if decode is None:
-        return None
-    row_bytes = itemsize * math.prod(shape[1:])
-    nbytes = row_bytes * shape[0]
-    expected = -(-shape[0] // chunk[0]) if nbytes else 0
-    found: dict[int, _Chunk] = {}
-
-    def visit(info: Any) -> None:
-        found[info.chunk_offset[0] // chunk[0]] = _Chunk(info.byte_offset, info.size, info.filter_mask == 0)
-
-    if hasattr(dsid, "chunk_iter"):
-        dsid.chunk_iter(visit)
-    else:  # pragma: no cover - h5py < 3.8
-        for i in range(dsid.get_num_chunks()):
-            visit(dsid.get_chunk_info(i))
-    if len(found) != expected or any(k not in found for k in range(expected)):
-        return None  # unwritten chunks (fill values): HDF5 knows what to return
-    return RowChunks(dsid, [found[k] for k in range(expected)], row_bytes * chunk[0], nbytes, chunk[0], decode)

@@ -13,6 +13,7 @@ import h5py
 import torch
 
 from .dtypes import DtypeSpec
+from .format import BITSHUFFLE_ID, FILTERS
 
 __all__ = [
     "PRESETS", "DEFAULT_CHUNK_BYTES", "MIN_COMPRESS_BYTES", "Compression", "Policy",
@@ -71,6 +72,13 @@ def _filter(value: Any) -> Any:
         except KeyError:
             raise ValueError(f"unknown compression preset {value!r}; the presets are {sorted(PRESETS)}") from None
     if isinstance(value, h5py.filters.FilterRefBase):
+        if value.filter_id not in FILTERS:
+            raise ValueError(f"compression filter {value.filter_id} ({type(value).__name__}) cannot be used: the format "
+                             "allows hdf5plugin.Bitshuffle (lz4, zstd) and hdf5plugin.Blosc2, which tensorstore_h5 "
+                             "decodes itself with checks; or a preset " + str(sorted(PRESETS)))
+        options = tuple(value.filter_options)
+        if value.filter_id == BITSHUFFLE_ID and (len(options) < 2 or options[1] not in (2, 3)):
+            raise ValueError("hdf5plugin.Bitshuffle needs cname='lz4' or cname='zstd' (uncompressed bitshuffle is not allowed)")
         return value
     raise TypeError(
         f"compression must be None, a preset name {sorted(PRESETS)}, an hdf5plugin filter, "

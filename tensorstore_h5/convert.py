@@ -36,12 +36,14 @@ def convert(src: PathLike, dst: PathLike, *, select: Any = None, **save_options:
     - safetensors -> h5: key by key through ``safe_open`` (one tensor in memory at a time);
       its metadata becomes ``Store.metadata``; shared storage is not visible there.
     - torch.save -> h5: ``torch.load(weights_only=True, mmap=True)``, so no code runs and
-      tensors stay file-backed until written; nesting and plain values are kept.
+      tensors stay file-backed until written (legacy, non-zip files cannot be mapped and are
+      loaded whole, still with ``weights_only``); nesting and plain values are kept.
     - h5 -> safetensors: tensors only (plain values are refused), each written contiguous;
       tensors that share storage are cloned (safetensors has no aliases).
 
     ``save_options`` (``compression=``, ``chunk_bytes=``, ``progress=``, ``metadata=``) go to
-    the tensorstore_h5 writer. ``select`` picks keys of an h5 source.
+    the tensorstore_h5 writer. ``select`` picks keys of an h5 source, whose checksums are
+    always verified (a damaged source is never copied into a new file).
 
     Raises:
         ValueError: unknown suffixes or an unsupported pair.
@@ -58,7 +60,7 @@ def convert(src: PathLike, dst: PathLike, *, select: Any = None, **save_options:
         with Store(src) as store:
             meta = save_options.pop("metadata", store.metadata)
             with Writer(dst, metadata=meta, **save_options) as w:
-                w.write_root(store.load(select=select))
+                w.write_root(store.load(select=select, verify=True))
     else:
         raise ValueError(f"cannot convert {kinds[0]} to {kinds[1]}; the supported pairs are safetensors->h5, torch->h5, "
                          "h5->safetensors and h5->h5")
@@ -87,10 +89,14 @@ def _escape_key(key: str) -> str:
 
 
 def _from_torch(src: PathLike, dst: PathLike, options: dict[str, Any]) -> None:
+    path = os.fspath(src)
+    with open(path, "rb") as f:
+        zipped = f.read(4) == b"PK\x03\x04"  # only the zip format can be mapped
     try:
-        obj = torch.load(os.fspath(src), map_location="cpu", weights_only=True, mmap=True)
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
     except Exception as e:  # unpickling errors come in many types
-        raise FormatError(f"{os.fspath(src)}: cannot load with weights_only=True ({e})") from e
+        raise FormatError(f"{path}: cannot load with weights_only=True, which refuses anything but tensors and plain "
+                          f"values ({e})") from e
     with Writer(dst, metadata=options.pop("metadata", None), **options) as w:
         w.write_root(obj)
 
@@ -101,7 +107,7 @@ def _to_safetensors(src: PathLike, dst: PathLike, select: Any) -> None:
     with Store(src) as store:
         tensors: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
-        for key, value in store.items(select=select):
+        for key, value in store.items(select=select, verify=True):
             if not isinstance(value, torch.Tensor):
                 raise UnsupportedTypeError(f"{store.path}: key {key!r} is a {type(value).__name__}; safetensors holds tensors only "
                                            "(use select= to pick the tensors)")

@@ -13,6 +13,7 @@ __all__ = [
     "UnsupportedTypeError",
     "KeyNotFoundError",
     "MismatchError",
+    "WriteError",
     "TensorStoreWarning",
 ]
 
@@ -40,6 +41,11 @@ class KeyNotFoundError(TensorStoreError, KeyError):
 
 class MismatchError(TensorStoreError, ValueError):
     """A target tensor's shape, dtype or device does not fit the stored tensor."""
+
+
+class WriteError(TensorStoreError, OSError):
+    """A file cannot be written (disk full, I/O error): the save was abandoned and any
+    earlier file at the path is unchanged. The message names the file and the key."""
 
 
 class TensorStoreWarning(UserWarning):

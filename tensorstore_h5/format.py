@@ -1,58 +1,251 @@
-"""The on-disk layout, format version 1: names, attributes, and their parsing.
-
-This is the only module that reads or writes HDF5 attributes. Everything read from a file
-passes through the ``parse_*`` functions below into frozen dataclasses; anything that does
-not parse raises :class:`FormatError` naming the file and the entry. docs/FORMAT.md is the
+"""The on-disk layout: format 2 (written and read) and format 1 (read). docs/FORMAT.md is the
 human-readable copy of this module.
+
+This is the only module that knows the header, the layout text and the HDF5 attributes of
+a file. Everything read from a file passes through the ``parse_*`` functions below into
+frozen dataclasses; anything that does not parse raises :class:`FormatError` naming the file
+and the entry. Every byte range a format-2 layout names is checked against the file's length
+here, before any reader sees it.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Union
 
 import h5py
 import numpy as np
 
-from . import tree
-from .dtypes import DtypeSpec, spec_for_name, spec_for_numpy
+from . import checksum, tree
+from .dtypes import DtypeSpec, spec_for_name
 from .errors import FormatError
+from .slicing import contiguous_stride, has_gaps, stride_span
 from .tree import Container
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "ROOT_DATASET", "PACK_GROUP", "ATTR_FORMAT", "ATTR_VERSION", "ATTR_LAYOUT",
-    "ATTR_METADATA", "ATTR_TORCH_DTYPE", "ATTR_STRIDE", "Container", "TensorEntry", "ArrayEntry",
-    "ValueEntry", "ForeignEntry", "Entry", "Layout", "read_layout", "parse_layout", "layout_json",
-    "write_layout", "check_metadata", "write_tensor_attrs", "write_pack_attrs", "contiguous_stride",
+    "FORMAT_NAME", "FORMAT_VERSION", "READ_VERSIONS", "ROOT_DATASET", "PACK_GROUP", "LAYOUT_DATASET", "USERBLOCK",
+    "HEADER_SIZE", "MAGIC", "HDF5_SIGNATURE", "ALIGNMENT", "ATTR_FORMAT", "ATTR_VERSION", "ATTR_LAYOUT",
+    "ATTR_METADATA", "ATTR_TORCH_DTYPE", "ATTR_STRIDE", "FILTERS", "BITSHUFFLE_ID", "BLOSC2_ID", "Header",
+    "pack_header", "parse_header", "Contiguous", "Chunked", "Extent", "Container", "TensorEntry", "ArrayEntry",
+    "ValueEntry", "ForeignEntry", "Entry", "Layout", "parse_layout", "parse_layout_v2", "read_layout_v1",
+    "layout_text", "write_root_attrs", "write_dataset_attrs", "check_metadata", "contiguous_stride", "stride_span", "has_gaps", "claims_format",
 ]
 
 FORMAT_NAME = "tensorstore_h5"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The version this library writes."""
+READ_VERSIONS = (1, 2)
+"""The versions this library reads; readers refuse any other."""
+
 ROOT_DATASET = "data"
 """Dataset name used when the saved object itself is a tensor or array (no root dict)."""
-
 PACK_GROUP = "%packed"
-"""Group of the pack datasets (one 1-D dataset per dtype) that hold small tensors back to back.
-``escape`` never produces this name, so it cannot collide with a key."""
+"""Version 1: group of the pack datasets holding small tensors (never an escaped key)."""
+LAYOUT_DATASET = "%layout"
+"""Version 2: the dataset holding the layout text (never an escaped key)."""
+
+USERBLOCK = 4096
+"""Bytes before the HDF5 superblock; the header lives at their start."""
+HEADER_SIZE = 64
+MAGIC = b"\x89TSH5\r\n\x1a"
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+ALIGNMENT = 64
+"""Every dataset's data starts at a multiple of this many bytes (HDF5 file alignment)."""
 
 ATTR_FORMAT = "tensorstore_h5.format"
 ATTR_VERSION = "tensorstore_h5.version"
-ATTR_LAYOUT = "tensorstore_h5.layout"
-ATTR_METADATA = "tensorstore_h5.metadata"
+ATTR_LAYOUT = "tensorstore_h5.layout"  # version 1
+ATTR_METADATA = "tensorstore_h5.metadata"  # version 1
 ATTR_TORCH_DTYPE = "torch_dtype"
 ATTR_STRIDE = "stride"
 
+BITSHUFFLE_ID = 32008
+BLOSC2_ID = 32026
+FILTERS = {BITSHUFFLE_ID: "bitshuffle", BLOSC2_ID: "blosc2"}
+"""The filters a file of this format may use (one per dataset), by HDF5 filter id."""
 
-def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The row-major (C) stride of ``shape``, in elements."""
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
+_HEADER = struct.Struct("<8sIIQQQQQQ")
+_MAX_JSON_DEPTH = 64
+
+
+# ---------------------------------------------------------------------------- the header
+
+
+@dataclass(frozen=True)
+class Header:
+    """The format-2 header (FORMAT.md, "Header")."""
+
+    version: int
+    file_length: int
+    layout_offset: int
+    layout_length: int
+    layout_hash: int
+
+
+def pack_header(h: Header) -> bytes:
+    """The 64 header bytes of ``h``."""
+    body = _HEADER.pack(MAGIC, h.version, HEADER_SIZE, h.file_length, h.layout_offset, h.layout_length,
+                        h.layout_hash, 0, 0)[:56]
+    return body + struct.pack("<Q", checksum.digest(body))
+
+
+def parse_header(data: bytes, file: str, size: int) -> Header:
+    """Parse and check the first 64 bytes of a format-2 file of ``size`` bytes.
+
+    Raises FormatError for a damaged header, a version this library does not read, a file
+    of another length than recorded, or a layout range outside the file.
+    """
+    if len(data) < HEADER_SIZE:
+        raise FormatError(f"{file}: truncated file: {size} bytes, shorter than the tensorstore_h5 header")
+    magic, version, hsize, length, offset, nbytes, lhash, _zero, hhash = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise FormatError(f"{file}: not a tensorstore_h5 file (no header)")
+    if checksum.digest(data[:56]) != hhash:
+        raise FormatError(f"{file}: damaged tensorstore_h5 header (checksum mismatch)")
+    if version not in READ_VERSIONS or version == 1:
+        raise FormatError(f"{file}: written in tensorstore_h5 format version {version}, which this library "
+                          f"does not read (it reads {', '.join(map(str, READ_VERSIONS))}); upgrade tensorstore_h5")
+    if hsize != HEADER_SIZE:
+        raise FormatError(f"{file}: damaged tensorstore_h5 header (header length {hsize})")
+    if length != size:
+        what = "truncated" if size < length else "has bytes appended"
+        raise FormatError(f"{file}: the file {what}: {size} bytes, the header records {length}")
+    if not USERBLOCK <= offset <= offset + nbytes <= size or nbytes == 0:
+        raise FormatError(f"{file}: damaged tensorstore_h5 header (layout at {offset}+{nbytes} outside the file)")
+    return Header(version, length, offset, nbytes, lhash)
+
+
+# ---------------------------------------------------------------------------- where bytes are
+
+
+@dataclass(frozen=True)
+class Contiguous:
+    """``nbytes`` logical bytes stored at file offset ``offset``; ``hashes`` are the XXH3 of
+    consecutive ``block``-byte blocks (None where the file has no checksums)."""
+
+    offset: int
+    nbytes: int
+    hashes: tuple[int, ...] | None = None
+    block: int = checksum.HASH_BLOCK
+
+
+@dataclass(frozen=True)
+class Chunked:
+    """Compressed data: chunks of ``chunk_shape`` of a dataset of ``shape``, each one
+    consecutive run of the logical bytes (FORMAT.md, "Where the bytes are").
+
+    ``chunks`` are ``(file offset, stored bytes, stored raw)`` in row-major order of the
+    chunk grid; ``hashes`` the XXH3 of each chunk's logical bytes (None: no checksums).
+    """
+
+    shape: tuple[int, ...]
+    itemsize: int
+    chunk_shape: tuple[int, ...]
+    filter_id: int
+    filter_values: tuple[int, ...]
+    chunks: tuple[tuple[int, int, bool], ...]
+    hashes: tuple[int, ...] | None = None
+    _geometry: tuple[int, int, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_geometry", _chunk_geometry(self.shape, self.chunk_shape, self.itemsize))
+
+    @property
+    def nbytes(self) -> int:
+        """Logical bytes of the whole dataset."""
+        return math.prod(self.shape) * self.itemsize
+
+    @cached_property
+    def chunk_bytes(self) -> int:
+        """Decoded bytes of one chunk (HDF5 pads edge chunks to this size)."""
+        return math.prod(self.chunk_shape) * self.itemsize
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(c[1] for c in self.chunks)
+
+    def span(self, k: int) -> tuple[int, int]:
+        """``(first logical byte, valid bytes)`` of chunk ``k``."""
+        row, block, grid = self._geometry
+        o, j = divmod(k, grid)
+        start = j * block
+        return o * row + start, min(block, row - start)
+
+    def locate(self, offset: int) -> int:
+        """The chunk holding logical byte ``offset``."""
+        row, block, grid = self._geometry
+        o, r = divmod(offset, row)
+        return o * grid + r // block
+
+
+def _chunk_geometry(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int) -> tuple[int, int, int]:
+    """``(bytes per index of the blocked dimension's outer rows, bytes per chunk block, chunks
+    per row)`` for a chunk shape of the form (1, …, 1, c, whole dims…). Raises ValueError for
+    any other form or a chunk larger than the dataset."""
+    if len(chunk) != len(shape) or any(type(c) is not int or c < 1 for c in chunk):
+        raise ValueError(f"invalid chunk shape {list(chunk)} for shape {list(shape)}")
+    if any(c > max(n, 1) for c, n in zip(chunk, shape)):
+        raise ValueError(f"chunk shape {list(chunk)} exceeds the dataset shape {list(shape)}")
+    blocked = [i for i, (c, n) in enumerate(zip(chunk, shape)) if c < n]
+    d = blocked[-1] if blocked else 0
+    if any(c != 1 for c in chunk[:d]):
+        raise ValueError(f"chunk shape {list(chunk)} is not a run of whole rows of shape {list(shape)}")
+    inner = math.prod(shape[d + 1:]) * itemsize
+    row = (shape[d] if shape else 1) * inner
+    block = (chunk[d] if chunk else 1) * inner
+    return max(row, 1), max(block, 1), max(1, -(-row // max(block, 1)))
+
+
+def check_chunked(extent: Chunked, file_size: int | None, start: int = USERBLOCK) -> None:
+    """Check a chunk list, its filter and its ranges (FORMAT.md, "What readers refuse"):
+    every chunk inside ``[start, file_size)`` (``file_size`` None skips that). Raises
+    ValueError saying what is wrong."""
+    expected = 1
+    for n, c in zip(extent.shape, extent.chunk_shape):
+        expected *= -(-n // c)
+    if len(extent.chunks) != expected:
+        raise ValueError(f"{len(extent.chunks)} chunks stored, the chunk grid has {expected} (unwritten chunks?)")
+    cb = extent.chunk_bytes
+    limit = cb + cb // 16 + 1024
+    for off, size, raw in extent.chunks:
+        if type(off) is not int or type(size) is not int or size < 0:
+            raise ValueError(f"invalid chunk [{off!r}, {size!r}]")
+        if file_size is not None and not start <= off <= off + size <= file_size:
+            raise ValueError(f"chunk at {off}+{size} lies outside the file ({file_size} bytes)")
+        if raw and size != cb:
+            raise ValueError(f"unfiltered chunk of {size} bytes, expected {cb}")
+        if size > limit:
+            raise ValueError(f"stored chunk of {size} bytes exceeds the bound for {cb}-byte chunks")
+    _check_filter(extent)
+    if extent.hashes is not None and len(extent.hashes) != len(extent.chunks):
+        raise ValueError(f"{len(extent.hashes)} chunk hashes for {len(extent.chunks)} chunks")
+
+
+def _check_filter(extent: Chunked) -> None:
+    fid, values = extent.filter_id, extent.filter_values
+    if fid not in FILTERS:
+        raise ValueError(f"filter {fid} is not one this format allows ({', '.join(f'{k} {v}' for k, v in FILTERS.items())})")
+    if any(type(v) is not int or not 0 <= v < 2**32 for v in values):
+        raise ValueError(f"invalid filter values {list(values)}")
+    if fid == BITSHUFFLE_ID:
+        if len(values) < 5 or values[4] not in (2, 3) or values[2] != extent.itemsize:
+            raise ValueError(f"bitshuffle values {list(values)}: only LZ4/Zstd of the dataset's element size")
+    else:
+        if len(values) < 4 or values[2] != extent.itemsize or values[3] != extent.chunk_bytes:
+            raise ValueError(f"blosc2 values {list(values)} do not match the dataset")
+        if len(values) >= 8 and (values[7] != len(extent.shape) or tuple(values[8:8 + values[7]]) != extent.chunk_shape):
+            raise ValueError(f"blosc2 values {list(values)}: rank or chunk shape differ from the dataset's")
+
+
+Extent = Union[Contiguous, Chunked]
+
+
+# ---------------------------------------------------------------------------- entries
 
 
 @dataclass(frozen=True)
@@ -61,11 +254,12 @@ class TensorEntry:
 
     ``stride`` is None for row-major tensors. ``same_as`` names the key path of an earlier
     tensor that is the same view of the same storage (both paths link one dataset).
-    ``requires_grad`` is None for plain tensors and a bool for ``nn.Parameter``.
-    ``foreign`` marks datasets of files not written by tensorstore_h5 (values are
-    converted by HDF5 into ``dtype``'s type instead of being copied as raw bytes).
-    ``packed`` is the element offset of a small tensor inside the pack dataset ``dataset``
-    (None for a tensor with a dataset of its own).
+    ``parameter`` marks an ``nn.Parameter``; ``requires_grad`` a tensor that required grad.
+    ``foreign`` marks datasets of files not written by tensorstore_h5 (values are converted
+    by HDF5 into ``dtype``'s type instead of being copied as raw bytes). ``packed`` is the
+    element offset of a small tensor inside the version-1 pack dataset ``dataset``.
+    ``extent`` says where the bytes are (format 2); None where HDF5 must be asked (format 1,
+    foreign files) or there are none (no elements, or ``same_as``).
     """
 
     path: str
@@ -75,9 +269,11 @@ class TensorEntry:
     dataset: str
     stride: tuple[int, ...] | None = None
     same_as: str | None = None
-    requires_grad: bool | None = None
+    parameter: bool = False
+    requires_grad: bool = False
     foreign: bool = False
     packed: int | None = None
+    extent: Extent | None = None
 
     @property
     def numel(self) -> int:
@@ -97,6 +293,7 @@ class ArrayEntry:
     dtype: np.dtype
     shape: tuple[int, ...]
     dataset: str
+    extent: Extent | None = None
 
     @property
     def nbytes(self) -> int:
@@ -127,29 +324,39 @@ Leaf = Union[TensorEntry, ArrayEntry, ValueEntry, ForeignEntry]
 
 
 class Layout:
-    """Everything known about a file from one read of its root attributes.
+    """Everything known about a file from its layout.
 
-    Opening checks the structure of every entry (paths unique, parents first) in one fast
-    pass; each entry is fully parsed and checked the first time it is used, so listing the
-    keys of a 10,000-key file costs little. ``version`` is None for a foreign HDF5 file.
+    Opening checks the structure (paths unique, parents first) in one fast pass over the
+    paths and types; each entry is parsed and checked the first time it is used, so listing
+    the keys of a 10,000-key file costs little. ``version`` is None for a foreign HDF5 file.
     """
 
-    def __init__(self, file: str, version: int | None, metadata: Mapping[str, Any],
-                 items: list[dict[str, Any]] | None = None, entries: Iterable[Entry] | None = None) -> None:
+    def __init__(self, file: str, version: int | None, metadata: Mapping[str, Any], *,
+                 items: list[Any] | None = None, entries: Iterable[Entry] | None = None,
+                 v2: tuple[list[Any], list[str], list[bytes], int, int] | None = None) -> None:
         self.file = file
         self.version = version
         self.metadata = metadata
+        self.hash_block = checksum.HASH_BLOCK
+        self.file_size: int | None = None
+        self._lines: list[bytes] | None = None
+        self._items: list[Any] | None = None
         if entries is not None:
             parsed = list(entries)
-            self._items: list[Any] = [None] * len(parsed)
             self._parsed: list[Entry | None] = list(parsed)
-            self._index = {e.path: i for i, e in enumerate(parsed)}
+            self._paths = [e.path for e in parsed]
+            self._kinds = [e.type if isinstance(e, Container) else "" for e in parsed]
+            self._index = {p: i for i, p in enumerate(self._paths)}
             self._types = {e.path: e.type for e in parsed if isinstance(e, Container)}
         else:
-            assert items is not None
-            self._items = items
-            self._parsed = [None] * len(items)
-            self._index, self._types = _structure(items, file)
+            if v2 is not None:
+                self._paths, self._kinds, self._lines, self.hash_block, self.file_size = v2
+            else:
+                assert items is not None
+                self._items = items
+                self._paths, self._kinds = _v1_paths(items, file)
+            self._parsed = [None] * len(self._paths)
+            self._index, self._types = _structure(self._paths, self._kinds, file)
         self.leaf_paths = [p for p in self._index if p not in self._types]
         self.container_paths = [p for p in self._types if p]
 
@@ -158,25 +365,38 @@ class Layout:
         i = self._index.get(path)
         return None if i is None else self._parse(i)
 
-    def _parse(self, i: int) -> Entry:
+    def _parse(self, i: int, raw: Any = None) -> Entry:
         entry = self._parsed[i]
         if entry is None:
-            item = self._items[i]
+            path = self._paths[i]
             try:
-                entry = _parse_entry(item, self._types, _Earlier(self, i))
-            except (ValueError, TypeError, KeyError) as e:
-                raise FormatError(f"{self.file}: damaged layout entry {i} (key {item.get('path')!r}): {e}") from e
+                if self._items is not None:
+                    entry = _parse_entry_v1(self._items[i], self._types, _Earlier(self, i))
+                else:
+                    assert self._lines is not None
+                    data = json.loads(self._lines[i]) if raw is None else raw
+                    entry = _parse_entry_v2(data, path, self._kinds[i], self, i)
+            except (ValueError, TypeError, KeyError, RecursionError) as e:
+                raise FormatError(f"{self.file}: damaged layout entry {i} (key {path!r}): {e}") from e
             self._parsed[i] = entry
         return entry
 
     @property
     def entries(self) -> list[Entry]:
         """Every entry in saved (pre-order) order, root first."""
+        missing = [i for i, e in enumerate(self._parsed) if e is None]
+        if self._lines is not None and len(missing) > 16:  # one json.loads for all of them
+            try:
+                bulk = json.loads(b"[" + b",".join(self._lines[i] for i in missing) + b"]")
+            except (ValueError, RecursionError) as e:
+                raise FormatError(f"{self.file}: damaged layout (not valid JSON): {e}") from e
+            for i, raw in zip(missing, bulk):
+                self._parse(i, raw)
         return [self._parse(i) for i in range(len(self._parsed))]
 
     @property
     def leaves(self) -> list[Leaf]:
-        return [e for e in self.entries if not isinstance(e, Container)]
+        return [e for e in self.entries if not isinstance(e, Container)]  # type: ignore[misc]
 
 
 class _Earlier:
@@ -193,25 +413,35 @@ class _Earlier:
         return entry if isinstance(entry, TensorEntry) else None
 
 
-def _structure(items: list[Any], file: str) -> tuple[dict[str, int], dict[str, str]]:
-    """One pass over the raw entries: objects with a str path and a known type, unique
-    paths, the root first, every parent an earlier container. Returns (path -> index,
-    container path -> type)."""
+_LEAF_TYPES = frozenset({"tensor", "ndarray", "value"})
+
+
+def _v1_paths(items: list[Any], file: str) -> tuple[list[str], list[str]]:
+    paths, kinds = [], []
+    for i, item in enumerate(items):
+        path = item.get("path") if type(item) is dict else None
+        if type(path) is not str:
+            raise FormatError(f"{file}: damaged layout entry {i} (key {path!r}): path is not a string")
+        kind = item.get("type")
+        paths.append(path)
+        kinds.append(kind if type(kind) is str else repr(kind))
+    return paths, kinds
+
+
+def _structure(paths: list[Any], kinds: list[str], file: str) -> tuple[dict[str, int], dict[str, str]]:
+    """One pass over the paths and types: str paths of known types, unique, the root first,
+    every parent an earlier container. Returns (path -> index, container path -> type)."""
     index: dict[str, int] = {}
     types: dict[str, str] = {}
     containers = tree.CONTAINER_TYPES
-    known = frozenset(containers) | frozenset(_ENTRY_FIELDS)
-    for i, item in enumerate(items):
-        if type(item) is dict:
-            path, kind = item.get("path"), item.get("type")
-            # the common case, in one test: a new path under an earlier container, a known type
-            if type(path) is str and kind in known and path not in index and path.rpartition("/")[0] in types:
-                index[path] = i
-                if kind in containers:
-                    types[path] = kind
-                continue
-        else:
-            path = kind = None
+    known = frozenset(containers) | _LEAF_TYPES
+    for i, (path, kind) in enumerate(zip(paths, kinds)):
+        # the common case, in one test: a new path under an earlier container, a known type
+        if type(path) is str and kind in known and path not in index and path.rpartition("/")[0] in types:
+            index[path] = i
+            if kind in containers:
+                types[path] = kind
+            continue
         why = None
         if type(path) is not str:
             why = "path is not a string"
@@ -221,7 +451,7 @@ def _structure(items: list[Any], file: str) -> tuple[dict[str, int], dict[str, s
             why = "duplicate path"
         elif path and path.rpartition("/")[0] not in types:
             why = f"parent {path.rpartition('/')[0]!r} is not an earlier container"
-        elif kind not in containers and kind not in _ENTRY_FIELDS:
+        elif kind not in known:
             why = f"unknown entry type {kind!r}"
         if why is not None:
             raise FormatError(f"{file}: damaged layout entry {i} (key {path!r}): {why}")
@@ -231,7 +461,7 @@ def _structure(items: list[Any], file: str) -> tuple[dict[str, int], dict[str, s
     return index, types
 
 
-# ---------------------------------------------------------------------------- writing
+# ---------------------------------------------------------------------------- writing (format 2)
 
 
 def _key_json(entry: Any, parent_type: str | None) -> dict[str, Any]:
@@ -240,45 +470,69 @@ def _key_json(entry: Any, parent_type: str | None) -> dict[str, Any]:
     return {}
 
 
+def _extent_json(extent: Extent | None) -> dict[str, Any]:
+    if extent is None:
+        return {}
+    hashes = [checksum.to_hex(h) for h in extent.hashes or ()]
+    if isinstance(extent, Contiguous):
+        return {"at": extent.offset, "xxh3": hashes}
+    chunks = [[o, s, 1] if raw else [o, s] for o, s, raw in extent.chunks]
+    return {"chunks": {"shape": list(extent.chunk_shape), "filter": [extent.filter_id, list(extent.filter_values)],
+                       "at": chunks}, "xxh3": hashes}
+
+
 def entry_json(entry: Entry, parent_type: str | None) -> dict[str, Any]:
-    """The JSON object of one layout entry (see FORMAT.md, "Layout")."""
-    out: dict[str, Any] = {"path": entry.path}
-    out.update(_key_json(entry, parent_type))
+    """The JSON object of one format-2 entry line (FORMAT.md, "The layout text")."""
+    out: dict[str, Any] = _key_json(entry, parent_type)
     if isinstance(entry, Container):
-        out["type"] = entry.type
+        if entry.module_metadata is not None and entry.type == "OrderedDict":
+            out["_metadata"] = {p: {k: tree.encode_value(v, entry.path) for k, v in vals.items()}
+                                for p, vals in entry.module_metadata.items()}
     elif isinstance(entry, TensorEntry):
-        out.update(type="tensor", dtype=entry.dtype.name, shape=list(entry.shape))
+        out.update(dtype=entry.dtype.name, shape=list(entry.shape))
         if entry.stride is not None:
             out["stride"] = list(entry.stride)
         if entry.same_as is not None:
             out["same_as"] = entry.same_as
-        if entry.requires_grad is not None:
-            out["parameter"] = {"requires_grad": entry.requires_grad}
-        if entry.dataset != entry.path:
-            out["dataset"] = entry.dataset
-        if entry.packed is not None:
-            out["offset"] = entry.packed
+        if entry.parameter:
+            out["parameter"] = True
+        if entry.requires_grad:
+            out["requires_grad"] = True
+        if entry.same_as is None:
+            out.update(_extent_json(entry.extent))
     elif isinstance(entry, ArrayEntry):
-        out.update(type="ndarray", dtype=entry.dtype.str, shape=list(entry.shape))
-        if entry.dataset != entry.path:
-            out["dataset"] = entry.dataset
+        out.update(dtype=entry.dtype.str, shape=list(entry.shape))
+        out.update(_extent_json(entry.extent))
     elif isinstance(entry, ValueEntry):
-        out.update(type="value", value=tree.encode_value(entry.value, entry.path))
+        out["value"] = tree.encode_value(entry.value, entry.path)
     else:
         raise TypeError(f"cannot write {entry!r}")
     return out
 
 
-def layout_json(entries: Iterable[Entry]) -> str:
-    """The JSON text of the layout attribute for ``entries`` (pre-order, root first)."""
+def _type_name(entry: Entry) -> str:
+    if isinstance(entry, Container):
+        return entry.type
+    return {TensorEntry: "tensor", ArrayEntry: "ndarray", ValueEntry: "value"}[type(entry)]
+
+
+def layout_text(entries: Iterable[Entry], metadata: Mapping[str, Any], hash_block: int = checksum.HASH_BLOCK) -> bytes:
+    """The format-2 layout text (JSON Lines) for ``entries`` (pre-order, root first)."""
+    entries = list(entries)
     types: dict[str, str] = {}
-    items = []
+    lines = []
     for e in entries:
         parent = e.path.rpartition("/")[0] if e.path else None
-        items.append(entry_json(e, types.get(parent) if parent is not None else None))
+        lines.append(_dumps(entry_json(e, types.get(parent) if parent is not None else None)))
         if isinstance(e, Container):
             types[e.path] = e.type
-    return json.dumps({"entries": items}, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    head = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "metadata": dict(metadata), "hash_block": hash_block,
+            "paths": [e.path for e in entries], "types": [_type_name(e) for e in entries]}
+    return "\n".join([_dumps(head), *lines]).encode("ascii")
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
 
 
 def check_metadata(metadata: Mapping[str, Any]) -> str:
@@ -291,71 +545,199 @@ def check_metadata(metadata: Mapping[str, Any]) -> str:
         raise TypeError(f"metadata must be JSON-serialisable (str keys; no NaN): {e}") from e
 
 
-def write_layout(f: h5py.File, entries: Iterable[Entry], metadata: Mapping[str, Any]) -> None:
-    """Write the root attributes; the layout goes last, so its presence marks a complete file."""
-    meta_text = check_metadata(metadata)
-    text = layout_json(entries)
-    f.attrs[ATTR_FORMAT] = FORMAT_NAME
-    f.attrs[ATTR_VERSION] = np.int64(FORMAT_VERSION)
-    f.attrs[ATTR_METADATA] = meta_text
-    f.attrs[ATTR_LAYOUT] = text
+def write_root_attrs(f: h5py.File) -> None:
+    """The root attributes of a format-2 file, for readers that do not read the header:
+    fixed-length strings and integers only (no global heap, so the metadata is checksummed)."""
+    f.attrs.create(ATTR_FORMAT, np.bytes_(FORMAT_NAME))
+    f.attrs.create(ATTR_VERSION, np.int64(FORMAT_VERSION))
 
 
-def _str_attr(dsid: h5py.h5d.DatasetID, name: bytes, value: str) -> None:
-    """A scalar variable-length UTF-8 string attribute, as ``ds.attrs[name] = value`` writes it,
-    through the low-level API (measured alone: 18 us against 46; it counts once per dataset)."""
-    attr = h5py.h5a.create(dsid, name, _VLEN_STR, h5py.h5s.create(h5py.h5s.SCALAR))
-    attr.write(np.array(value, dtype=h5py.string_dtype()))
-
-
-_VLEN_STR = h5py.h5t.py_create(h5py.string_dtype(), logical=True)
-
-
-def write_pack_attrs(dsid: h5py.h5d.DatasetID, spec: DtypeSpec) -> None:
-    """Attributes of a pack dataset: the torch dtype of its elements."""
-    _str_attr(dsid, ATTR_TORCH_DTYPE.encode(), spec.name)
-
-
-def write_tensor_attrs(dsid: h5py.h5d.DatasetID, entry: TensorEntry) -> None:
-    """The per-dataset attributes that let plain HDF5 readers interpret the data."""
-    _str_attr(dsid, ATTR_TORCH_DTYPE.encode(), entry.dtype.name)
+def write_dataset_attrs(dsid: h5py.h5d.DatasetID, entry: TensorEntry) -> None:
+    """The per-dataset attributes that let plain HDF5 readers interpret a tensor: its torch
+    dtype where the HDF5 type does not name it, and its stride where it has one."""
+    ds = h5py.Dataset(dsid)
+    if entry.dtype.storage != "native":
+        ds.attrs.create(ATTR_TORCH_DTYPE, np.bytes_(entry.dtype.name))
     if entry.stride is not None:
-        h5py.Dataset(dsid).attrs[ATTR_STRIDE] = np.asarray(entry.stride, dtype=np.int64)
+        ds.attrs.create(ATTR_STRIDE, np.asarray(entry.stride, dtype=np.int64))
 
 
-# ---------------------------------------------------------------------------- reading
+def claims_format(attr_names: Iterable[str]) -> bool:
+    """True when root attribute names show a tensorstore_h5 file (then it must never be read
+    as a foreign HDF5 file, even when its layout is damaged)."""
+    return any(n.startswith(FORMAT_NAME + ".") for n in attr_names)
 
 
-def read_layout(f: h5py.File, file: str) -> Layout:
-    """The layout of an open file: ours (checked, version-gated) or a foreign HDF5 file.
+# ---------------------------------------------------------------------------- reading (format 2)
 
-    Raises FormatError for a file of a newer format version, an incomplete file, or
-    damaged layout attributes.
-    """
+
+def parse_layout_v2(text: bytes, file: str, file_size: int) -> Layout:
+    """Parse the format-2 layout text of ``file`` (``file_size`` bytes). Raises FormatError."""
+    lines = text.split(b"\n")
     try:
-        attrs = f.attrs
-        fmt = attrs.get(ATTR_FORMAT)
-    except (OSError, KeyError, RuntimeError) as e:
-        raise FormatError(f"{file}: cannot read the root attributes: {e}") from e
-    if fmt is None:
-        return foreign_layout(f, file)
-    if _as_str(fmt) != FORMAT_NAME:
-        raise FormatError(f"{file}: root attribute {ATTR_FORMAT!r} is {fmt!r}, expected {FORMAT_NAME!r}")
-    version = attrs.get(ATTR_VERSION)
+        head = json.loads(lines[0])
+    except (ValueError, RecursionError) as e:
+        raise FormatError(f"{file}: damaged layout (head is not valid JSON): {e}") from e
+    if type(head) is not dict or set(head) != {"format", "version", "metadata", "hash_block", "paths", "types"}:
+        raise FormatError(f"{file}: damaged layout head (fields {sorted(head) if type(head) is dict else type(head).__name__})")
+    if head["format"] != FORMAT_NAME or head["version"] != 2:
+        raise FormatError(f"{file}: damaged layout head (format {head['format']!r}, version {head['version']!r})")
+    paths, kinds, block = head["paths"], head["types"], head["hash_block"]
+    if type(head["metadata"]) is not dict:
+        raise FormatError(f"{file}: damaged metadata: not a JSON object")
+    if type(block) is not int or block < 2**16 or block > 2**30 or block & (block - 1):
+        raise FormatError(f"{file}: damaged layout head (hash_block {block!r})")
+    if type(paths) is not list or type(kinds) is not list or not paths or len(paths) != len(kinds) \
+            or len(lines) != len(paths) + 1:
+        raise FormatError(f"{file}: damaged layout head: {len(lines) - 1} entry lines for "
+                          f"{len(paths) if type(paths) is list else '?'} paths and "
+                          f"{len(kinds) if type(kinds) is list else '?'} types")
+    return Layout(file, 2, head["metadata"], v2=(paths, [k if type(k) is str else repr(k) for k in kinds],
+                                                     lines[1:], block, file_size))
+
+
+_V2_FIELDS = {
+    "tensor": {"key", "dtype", "shape", "stride", "same_as", "parameter", "requires_grad", "at", "chunks", "xxh3"},
+    "ndarray": {"key", "dtype", "shape", "at", "chunks", "xxh3"},
+    "value": {"key", "value"},
+}
+_CONTAINER_V2 = frozenset({"key", "_metadata"})
+
+
+def _parse_entry_v2(item: Any, path: str, kind: str, layout: Layout, i: int) -> Entry:
+    if type(item) is not dict:
+        raise ValueError("entry line is not a JSON object")
+    key = _parse_key(item, path, layout._types)
+    if kind in tree.CONTAINER_TYPES:
+        if not item.keys() <= _CONTAINER_V2:
+            raise ValueError(f"unexpected fields {sorted(set(item) - _CONTAINER_V2)}")
+        meta = None
+        if "_metadata" in item:
+            if kind != "OrderedDict":
+                raise ValueError("only an OrderedDict has _metadata")
+            meta = _parse_module_metadata(item["_metadata"])
+        return Container(path, key, kind, meta)
+    fields = _V2_FIELDS[kind]
+    if not item.keys() <= fields:
+        raise ValueError(f"unexpected fields {sorted(set(item) - fields)}")
+    if kind == "value":
+        if "value" not in item:
+            raise ValueError("a value entry needs 'value'")
+        return ValueEntry(path, key, tree.decode_value(item["value"]))
+    dataset = path or ROOT_DATASET
+    shape = _parse_ints(item.get("shape"), "shape", minimum=0)
+    if kind == "ndarray":
+        dt = _numpy_dtype(item.get("dtype"))
+        extent = _parse_extent(item, shape, dt.itemsize, layout)
+        return ArrayEntry(path, key, dt, shape, dataset, extent)
+    spec = spec_for_name(item.get("dtype"))  # type: ignore[arg-type]
+    if spec is None:
+        raise ValueError(f"unknown torch dtype {item.get('dtype')!r}")
+    stride = _parse_stride(item, shape)
+    for flag in ("parameter", "requires_grad"):
+        if flag in item and item[flag] is not True:
+            raise ValueError(f"{flag} must be true when present")
+    same_as = item.get("same_as")
+    if same_as is not None:
+        if item.keys() & {"at", "chunks", "xxh3"}:
+            raise ValueError("a same_as entry has no data of its own")
+        orig = _Earlier(layout, i).get(same_as)
+        if orig is None or orig.same_as is not None or (orig.dtype, orig.shape, orig.stride) != (spec, shape, stride):
+            raise ValueError(f"same_as {same_as!r} does not name an earlier tensor of the same dtype, shape and stride")
+        return TensorEntry(path, key, spec, shape, orig.dataset, stride, same_as, "parameter" in item,
+                           "requires_grad" in item, extent=orig.extent)
+    extent = _parse_extent(item, shape, spec.itemsize, layout)
+    return TensorEntry(path, key, spec, shape, dataset, stride, None, "parameter" in item, "requires_grad" in item,
+                       extent=extent)
+
+
+def _parse_module_metadata(data: Any) -> dict[str, dict[str, Any]]:
+    if type(data) is not dict or not all(type(v) is dict for v in data.values()):
+        raise ValueError("_metadata must map module prefixes to objects")
+    return {p: {k: tree.decode_value(v) for k, v in vals.items()} for p, vals in data.items()}
+
+
+def _parse_stride(item: dict[str, Any], shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    if "stride" not in item:
+        return None
+    stride = _parse_ints(item["stride"], "stride", minimum=0)
+    if len(stride) != len(shape):
+        raise ValueError("stride and shape differ in length")
+    if has_gaps(shape, stride) or stride_span(shape, stride) > math.prod(shape):
+        raise ValueError(f"stride {list(stride)} leaves gaps in storage for shape {list(shape)}")
+    return stride
+
+
+def _parse_extent(item: dict[str, Any], shape: tuple[int, ...], itemsize: int, layout: Layout) -> Extent | None:
+    nbytes = math.prod(shape) * itemsize
+    size = layout.file_size
+    assert size is not None
+    if nbytes == 0:
+        if item.keys() & {"at", "chunks", "xxh3"}:
+            raise ValueError("an empty tensor has no data")
+        return None
+    hashes = item.get("xxh3")
+    if type(hashes) is not list:
+        raise ValueError("missing or invalid xxh3")
+    parsed = tuple(checksum.from_hex(h) for h in hashes)
+    if ("at" in item) == ("chunks" in item):
+        raise ValueError("needs exactly one of 'at' and 'chunks'")
+    if "at" in item:
+        at = item["at"]
+        if type(at) is not int or at % ALIGNMENT or not USERBLOCK <= at <= at + nbytes <= size:
+            raise ValueError(f"data at {at!r}+{nbytes} is not an aligned range inside the file ({size} bytes)")
+        if len(parsed) != -(-nbytes // layout.hash_block):
+            raise ValueError(f"{len(parsed)} block hashes for {nbytes} bytes")
+        return Contiguous(at, nbytes, parsed, layout.hash_block)
+    c = item["chunks"]
+    if type(c) is not dict or set(c) != {"shape", "filter", "at"}:
+        raise ValueError("invalid chunks")
+    filt, at = c["filter"], c["at"]
+    if type(filt) is not list or len(filt) != 2 or type(filt[0]) is not int or type(filt[1]) is not list:
+        raise ValueError(f"invalid filter {filt!r}")
+    if type(at) is not list or not all(type(a) is list and len(a) in (2, 3) and (len(a) == 2 or a[2] == 1) for a in at):
+        raise ValueError("invalid chunk list")
+    extent = Chunked(shape, itemsize, _parse_ints(c["shape"], "chunk shape", minimum=1), filt[0], tuple(filt[1]),
+                     tuple((a[0], a[1], len(a) == 3) for a in at), parsed)
+    check_chunked(extent, size)
+    return extent
+
+
+_NUMPY_SIZES = {"b": (1,), "i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "f": (2, 4, 8), "c": (8, 16)}
+
+
+def _numpy_dtype(name: Any) -> np.dtype:
+    """A numpy dtype of a stored array: bool, integer, float or complex (either byte order)."""
+    try:
+        dt = np.dtype(name) if type(name) is str else None
+    except TypeError as e:
+        raise ValueError(f"invalid numpy dtype {name!r}") from e
+    if dt is None or dt.fields is not None or dt.itemsize not in _NUMPY_SIZES.get(dt.kind, ()):
+        raise ValueError(f"unsupported numpy dtype {name!r}")
+    return dt
+
+
+# ---------------------------------------------------------------------------- reading (format 1)
+
+
+def read_layout_v1(attrs: Callable[[str], Any], file: str) -> Layout:
+    """The layout of a format-1 file from its root attributes (``attrs(name)`` returns one or
+    None). Raises FormatError for an incomplete file or damaged attributes."""
+    version = attrs(ATTR_VERSION)
     if not isinstance(version, (int, np.integer)) or isinstance(version, (bool, np.bool_)):
         raise FormatError(f"{file}: damaged root attribute {ATTR_VERSION!r}: {version!r}")
-    if version > FORMAT_VERSION:
+    if int(version) == 2:
+        raise FormatError(f"{file}: a format-2 file without its header (damaged, or its first 4096 bytes replaced)")
+    if int(version) not in READ_VERSIONS:
         raise FormatError(
-            f"{file}: written in tensorstore_h5 format version {int(version)}, newer than this "
-            f"library reads ({FORMAT_VERSION}); upgrade tensorstore_h5"
+            f"{file}: written in tensorstore_h5 format version {int(version)}, which this library does not read "
+            f"(it reads {', '.join(map(str, READ_VERSIONS))}); upgrade tensorstore_h5"
         )
-    if version < 1:
-        raise FormatError(f"{file}: invalid format version {int(version)}")
-    layout = attrs.get(ATTR_LAYOUT)
+    layout = attrs(ATTR_LAYOUT)
     if layout is None:
         raise FormatError(f"{file}: incomplete file: the layout attribute {ATTR_LAYOUT!r} is missing (interrupted save?)")
-    meta = attrs.get(ATTR_METADATA, "{}")
-    return parse_layout(_as_str(layout), file, int(version), _as_str(meta))
+    meta = attrs(ATTR_METADATA)
+    return parse_layout(_as_str(layout), file, _as_str(meta if meta is not None else "{}"))
 
 
 def _as_str(value: Any) -> str:
@@ -364,8 +746,8 @@ def _as_str(value: Any) -> str:
     return value if isinstance(value, str) else repr(value)
 
 
-def parse_layout(text: str, file: str, version: int = FORMAT_VERSION, metadata: str = "{}") -> Layout:
-    """Parse and check the layout JSON of ``file``. Raises FormatError on anything unexpected."""
+def parse_layout(text: str, file: str, metadata: str = "{}") -> Layout:
+    """Parse and check the format-1 layout JSON of ``file``. Raises FormatError on anything unexpected."""
     try:
         data = json.loads(text)
         meta = json.loads(metadata)
@@ -376,7 +758,7 @@ def parse_layout(text: str, file: str, version: int = FORMAT_VERSION, metadata: 
     items = data.get("entries") if isinstance(data, dict) else None
     if not isinstance(items, list) or not items:
         raise FormatError(f"{file}: damaged layout attribute: no entries")
-    return Layout(file, version, meta, items=items)
+    return Layout(file, 1, meta, items=items)
 
 
 _CONTAINER_FIELDS = frozenset({"path", "key", "type"})
@@ -387,17 +769,15 @@ _ENTRY_FIELDS = {
 }
 
 
-def _parse_entry(item: dict[str, Any], types: Mapping[str, str], tensors: _Earlier) -> Entry:
-    """One entry, whose structure :func:`_structure` has already checked."""
+def _parse_entry_v1(item: dict[str, Any], types: Mapping[str, str], tensors: _Earlier) -> Entry:
+    """One format-1 entry, whose structure :func:`_structure` has already checked."""
     path, kind = item["path"], item["type"]
     key = _parse_key(item, path, types)
     if kind in tree.CONTAINER_TYPES:
         if not item.keys() <= _CONTAINER_FIELDS:
             raise ValueError(f"unexpected fields {sorted(set(item) - _CONTAINER_FIELDS)}")
         return Container(path, key, kind)
-    fields = _ENTRY_FIELDS.get(kind)
-    if fields is None:
-        raise ValueError(f"unknown entry type {kind!r}")
+    fields = _ENTRY_FIELDS[kind]
     if not item.keys() <= fields:
         raise ValueError(f"unexpected fields {sorted(set(item) - fields)}")
     if kind == "value":
@@ -411,10 +791,7 @@ def _parse_entry(item: dict[str, Any], types: Mapping[str, str], tensors: _Earli
         raise ValueError(f"invalid dataset {dataset!r}")
     shape = _parse_ints(item.get("shape"), "shape", minimum=0)
     if kind == "ndarray":
-        dt = np.dtype(str(item.get("dtype")))
-        if dt.kind not in "biufc":
-            raise ValueError(f"unsupported numpy dtype {dt}")
-        return ArrayEntry(path, key, dt, shape, dataset)
+        return ArrayEntry(path, key, _numpy_dtype(item.get("dtype")), shape, dataset)
     spec = spec_for_name(item.get("dtype"))  # type: ignore[arg-type]
     if spec is None:
         raise ValueError(f"unknown torch dtype {item.get('dtype')!r}")
@@ -423,19 +800,22 @@ def _parse_entry(item: dict[str, Any], types: Mapping[str, str], tensors: _Earli
         stride = _parse_ints(item["stride"], "stride", minimum=0)
         if len(stride) != len(shape):
             raise ValueError("stride and shape differ in length")
+        if has_gaps(shape, stride):
+            stride = None  # version 1 kept steps; the values come back contiguous
     same_as = item.get("same_as")
     if same_as is not None:
         orig = tensors.get(same_as)
         if orig is None or orig.same_as is not None or (orig.dtype, orig.shape, orig.stride, orig.dataset) != \
                 (spec, shape, stride, dataset if packed is not None else orig.dataset) or orig.packed != packed:
             raise ValueError(f"same_as {same_as!r} does not name an earlier tensor of the same dtype, shape and stride")
-    requires_grad = None
+    requires_grad = False
     if "parameter" in item:
         param = item["parameter"]
         if not isinstance(param, dict) or type(param.get("requires_grad")) is not bool:
             raise ValueError("invalid parameter field")
         requires_grad = param["requires_grad"]
-    return TensorEntry(path, key, spec, shape, dataset, stride, same_as, requires_grad, packed=packed)
+    return TensorEntry(path, key, spec, shape, dataset, stride, same_as, "parameter" in item, requires_grad,
+                       packed=packed)
 
 
 def _parse_key(item: dict[str, Any], path: str, types: Mapping[str, str]) -> Any:
@@ -460,45 +840,9 @@ def _parse_key(item: dict[str, Any], path: str, types: Mapping[str, str]) -> Any
 
 
 def _parse_ints(value: Any, what: str, minimum: int) -> tuple[int, ...]:
-    if type(value) is not list:
+    if type(value) is not list or len(value) > 64:
         raise ValueError(f"invalid {what} {value!r}")
     for n in value:
-        if type(n) is not int or n < minimum:
+        if type(n) is not int or n < minimum or n >= 2**62:
             raise ValueError(f"invalid {what} {value!r}")
     return tuple(value)
-
-
-# ---------------------------------------------------------------------------- foreign files
-
-
-def foreign_layout(f: h5py.File, file: str) -> Layout:
-    """The layout of an HDF5 file not written by tensorstore_h5: groups become dicts keyed by
-    their link names, datasets become tensors where torch has their dtype (others become
-    ForeignEntry leaves that raise FormatError when read). Attributes are ignored."""
-    entries: list[Entry] = [Container("", None, "dict")]
-
-    def visit(name: str, obj: Any) -> None:
-        key = name.rpartition("/")[2]
-        if isinstance(obj, h5py.Group):
-            entries.append(Container(name, key, "dict"))
-        elif isinstance(obj, h5py.Dataset):
-            entries.append(_foreign_dataset(name, key, obj))
-
-    try:
-        f.visititems(visit)
-    except (OSError, RuntimeError, KeyError) as e:
-        raise FormatError(f"{file}: cannot read the HDF5 structure: {e}") from e
-    return Layout(file, None, {}, entries=entries)
-
-
-def _foreign_dataset(name: str, key: str, ds: h5py.Dataset) -> Entry:
-    try:
-        dtype, shape = ds.dtype, ds.shape
-    except (OSError, TypeError, ValueError) as e:
-        return ForeignEntry(name, key, name, f"unreadable dataset: {e}")
-    if shape is None:
-        return ForeignEntry(name, key, name, "empty (null dataspace) dataset")
-    spec = spec_for_numpy(dtype)
-    if spec is None:
-        return ForeignEntry(name, key, name, f"HDF5 type {dtype} has no torch dtype")
-    return TensorEntry(name, key, spec, tuple(int(n) for n in shape), name, foreign=True)

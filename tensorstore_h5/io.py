@@ -15,21 +15,23 @@ import functools
 import math
 import mmap
 import os
+import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import h5py
 import numpy as np
 import torch
 
+from . import checksum
 from .dtypes import bits_view
-from .slicing import Selection, rows
+from .slicing import Selection, has_gaps, rows, stride_span
 
 __all__ = [
     "BLOCK_BYTES", "IO_THREADS", "PIECE_BYTES", "MAP_MIN_BYTES", "HUGEPAGES", "HUGEPAGE_MIN_BYTES",
-    "tensor_bytes", "empty", "read_hdf5",
-    "write_hdf5", "write_tensor", "row_blocks", "restore_layout", "RawFile", "FileMap", "ReadPlan", "run_jobs",
+    "GATHER_WINDOW", "tensor_bytes", "empty", "read_hdf5", "write_hdf5", "write_tensor", "row_blocks", "restore_layout",
+    "gather", "RawFile", "FileMap", "ReadPlan", "run_jobs",
 ]
 
 BLOCK_BYTES = 64 * 2**20
@@ -77,7 +79,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     numel = math.prod(shape)
     nbytes = numel * dtype.itemsize
     if nbytes < MAP_MIN_BYTES or _ANONYMOUS is None:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device="cpu")  # whatever torch's default device is
     huge = HUGEPAGES and nbytes >= HUGEPAGE_MIN_BYTES and _MADV_HUGEPAGE is not None
     area = mmap.mmap(-1, nbytes + (_HUGE if huge else 0), flags=mmap.MAP_PRIVATE | _ANONYMOUS)
     skip = 0
@@ -106,23 +108,38 @@ def _executor() -> ThreadPoolExecutor:
 
 
 class RawFile:
-    """Positional reads of one file's bytes straight into tensor memory, and its mapping."""
+    """Positional reads of one open file's bytes straight into tensor memory, and its mapping.
 
-    def __init__(self, path: str) -> None:
+    The file is opened once (or adopted from ``fd``); every read goes to that open file, so
+    a file renamed over the path later (a save replacing it) is never mixed in. ``size`` is
+    its length when opened. Raises FileNotFoundError, IsADirectoryError, or PermissionError.
+    """
+
+    def __init__(self, path: str, fd: int | None = None) -> None:
         self.path = path
-        self.size = os.path.getsize(path)
-        self._fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)) if fd is None else fd
+        st = os.fstat(self._fd)
+        if stat.S_ISDIR(st.st_mode):
+            self.close()
+            raise IsADirectoryError(f"{path} is a directory, not a checkpoint file")
+        self.size = st.st_size
+        self.identity = (st.st_dev, st.st_ino)
 
     def pread(self, offset: int, view: memoryview) -> None:
         """Fill ``view`` with the bytes at ``offset``. Raises EOFError past the end of the file."""
-        if self._fd is None:
-            raise ValueError(f"{self.path}: closed")
+        fd = self._fileno()
         done, n = 0, len(view)
         while done < n:
-            got = os.preadv(self._fd, [view[done:]], offset + done)
+            got = os.preadv(fd, [view[done:]], offset + done)
             if got == 0:
                 raise EOFError(f"{self.path}: file ends at byte {offset + done}, {n - done} bytes short (truncated?)")
             done += got
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """``nbytes`` bytes at ``offset`` (EOFError past the end of the file)."""
+        buf = bytearray(nbytes)
+        self.pread(offset, memoryview(buf))
+        return bytes(buf)
 
     def mapped(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor backed by the file's pages through its own private mapping: copy-on-write,
@@ -154,8 +171,8 @@ class FileMap:
     mapping's private pages, inside that tensor's own bytes: they reach neither the file nor
     the other tensors (which never share bytes, only pages). The mapping lives while any of
     its tensors does. With ``whole=False`` (streaming, where memory should fall as each
-    tensor is dropped), and for a tensor whose offset is not a multiple of its element
-    size, each tensor gets a mapping of its own (:meth:`RawFile.mapped`).
+    tensor is dropped) each tensor gets a mapping of its own (:meth:`RawFile.mapped`).
+    Callers map only offsets that are multiples of the element size.
     """
 
     def __init__(self, raw: RawFile, whole: bool = True) -> None:
@@ -165,9 +182,12 @@ class FileMap:
 
     def tensor(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The ``nbytes`` at ``offset`` as a tensor of ``dtype`` and ``shape``. Raises EOFError
-        past the end of the file."""
+        past the end of the file, ValueError for an offset that is not a multiple of the
+        element size (the tensor would be misaligned)."""
         raw = self._raw
-        if not self._one or offset % dtype.itemsize:
+        if offset % dtype.itemsize:
+            raise ValueError(f"offset {offset} is not a multiple of the element size {dtype.itemsize}")
+        if not self._one:
             return raw.mapped(offset, nbytes, dtype, shape)
         if offset + nbytes > raw.size:
             raise EOFError(f"{raw.path}: file ends before byte {offset + nbytes} (truncated?)")
@@ -194,14 +214,18 @@ class ReadPlan:
         self._futures: list[Future[None]] = []
         self.nbytes = 0
 
-    def add(self, offset: int, out: torch.Tensor,
-            wrap: Callable[[Callable[[], None]], Callable[[], None]] | None = None) -> None:
-        """Read ``out.nbytes`` bytes at ``offset`` into the contiguous CPU tensor ``out``; each
-        piece's read runs as ``wrap(read)()`` when given (to name the tensor in its errors)."""
+    def add(self, offset: int, out: torch.Tensor, wrap: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
+            hashes: Sequence[int] | None = None, block: int = PIECE_BYTES) -> None:
+        """Read ``out.nbytes`` bytes at ``offset`` into the contiguous CPU tensor ``out`` in pieces
+        of ``block`` bytes; with ``hashes``, each piece is checked against its hash right after
+        its read (ChecksumError). Each piece's job runs as ``wrap(job)()`` when given (to name
+        the tensor in its errors)."""
         view = memoryview(tensor_bytes(out)) if out.numel() else memoryview(b"")
-        for start in range(0, len(view), PIECE_BYTES):
-            piece = view[start:start + PIECE_BYTES]
+        for i, start in enumerate(range(0, len(view), block)):
+            piece = view[start:start + block]
             job: Callable[[], None] = functools.partial(self._raw.pread, offset + start, piece)
+            if hashes is not None:
+                job = functools.partial(_checked, job, piece, hashes[i], i)
             self.add_job(job if wrap is None else wrap(job), len(piece))
 
     def add_job(self, job: Callable[[], None], cost: int) -> None:
@@ -227,6 +251,12 @@ class ReadPlan:
         for f in futures:
             if not f.cancelled():
                 f.exception()
+
+
+def _checked(read: Callable[[], None], piece: memoryview, expected: int, index: int) -> None:
+    read()
+    if checksum.digest(piece) != expected:
+        raise checksum.ChecksumError(f"checksum mismatch in block {index} (bytes {index * len(piece)}+)")
 
 
 def _run_all(jobs: list[Callable[[], None]]) -> None:
@@ -303,16 +333,20 @@ def row_blocks(shape: tuple[int, ...], itemsize: int, block_bytes: int = BLOCK_B
         yield first, min(shape[0], first + step)
 
 
-def write_tensor(dsid: h5py.h5d.DatasetID, mtype: h5py.h5t.TypeID, t: torch.Tensor, block_bytes: int | None = None) -> None:
+def write_tensor(dsid: h5py.h5d.DatasetID, mtype: h5py.h5t.TypeID, t: torch.Tensor, block_bytes: int | None = None,
+                 on_bytes: Callable[[np.ndarray], None] | None = None) -> None:
     """Write the logical (row-major) values of any strided tensor ``t`` to the whole dataset.
 
     A contiguous CPU tensor is written from its own memory; otherwise row blocks of at most
-    ``block_bytes`` (default :data:`BLOCK_BYTES`) are made contiguous (and moved to the CPU) one at a time.
+    ``block_bytes`` (default :data:`BLOCK_BYTES`) are made contiguous (and moved to the CPU)
+    one at a time. ``on_bytes`` sees every byte written, in order (to hash them).
     """
     if t.numel() == 0:
         return
     if t.device.type == "cpu" and t.is_contiguous():
         write_hdf5(dsid, mtype, t)
+        if on_bytes is not None:
+            on_bytes(tensor_bytes(t))
         return
     bits = bits_view(t)
     shape = tuple(t.shape)
@@ -320,30 +354,26 @@ def write_tensor(dsid: h5py.h5d.DatasetID, mtype: h5py.h5t.TypeID, t: torch.Tens
         block = bits[first:stop] if shape else bits
         block = block.contiguous().cpu()
         write_hdf5(dsid, mtype, block, rows(shape, first, stop) if shape else None)
-
-
-def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    """True when ``stride`` is a permutation of a row-major layout (no gaps, no overlap)."""
-    expected = 1
-    for size, st in sorted(((n, s) for n, s in zip(shape, stride) if n != 1), key=lambda p: p[1]):
-        if st != expected:
-            return False
-        expected *= size
-    return True
+        if on_bytes is not None:
+            on_bytes(tensor_bytes(block))
 
 
 def restore_layout(values: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     """A tensor with ``values``' logical contents (contiguous, any device) laid out with
     ``stride``, on the same device.
 
-    Dense permutations (transposed, channels_last) are one copy; layouts with gaps or
-    overlaps (steps, expand) scatter each element to its storage offset.
+    Dense permutations (transposed, channels_last) are one copy. Layouts that map several
+    elements to one storage element (stride 0: expanded) keep one copy of each; their values
+    must agree, else ValueError (the data contradict the layout). Layouts with gaps (steps)
+    are refused with ValueError: no memory is handed out that no value filled.
     """
     shape = tuple(values.shape)
+    if has_gaps(shape, stride):
+        raise ValueError(f"stride {list(stride)} leaves gaps in storage for shape {list(shape)}")
     out = torch.empty_strided(shape, stride, dtype=values.dtype, device=values.device)
     if values.numel() == 0:
         return out
-    if _dense(shape, stride):
+    if stride_span(shape, stride) == values.numel():  # a permutation: every element has its own place
         bits_view(out).copy_(bits_view(values))
         return out
     storage = bits_view(out.as_strided((out.untyped_storage().nbytes() // out.element_size(),), (1,), 0))
@@ -352,5 +382,42 @@ def restore_layout(values: torch.Tensor, stride: tuple[int, ...]) -> torch.Tenso
         view = [1] * len(shape)
         view[dim] = n
         offsets = offsets + (torch.arange(n, dtype=torch.int64, device=values.device) * st).reshape(view)
-    storage[offsets.reshape(-1)] = bits_view(values).reshape(-1)
+    flat, src = offsets.reshape(-1), bits_view(values).reshape(-1)
+    storage[flat] = src
+    if not torch.equal(storage[flat], src):
+        raise ValueError(f"elements that stride {list(stride)} stores once hold different values")
     return out
+
+
+GATHER_WINDOW = 64 * 2**20
+"""Strided selections of raw data are read in windows of at most this many bytes."""
+
+
+def gather(read: Callable[[int, memoryview], None], shape: tuple[int, ...], itemsize: int, sel: Selection,
+           dest: torch.Tensor, window: int = GATHER_WINDOW) -> None:
+    """Fill ``dest`` (contiguous, CPU, shaped like ``sel.count``, an integer dtype of
+    ``itemsize`` bytes) with a strided selection of row-major data whose logical bytes
+    ``read(offset, view)`` returns: rows of the first dimension are read in windows of at
+    most ``window`` bytes and picked from in memory; rows larger than a window are split
+    along the next dimension the same way."""
+    _gather(read, 0, shape, itemsize, sel.start, sel.count, sel.step, dest, window)
+
+
+def _gather(read: Callable[[int, memoryview], None], base: int, shape: tuple[int, ...], itemsize: int,
+            start: tuple[int, ...], count: tuple[int, ...], step: tuple[int, ...], dest: torch.Tensor, window: int) -> None:
+    if 0 in count:
+        return
+    row = itemsize * math.prod(shape[1:])
+    inner = tuple(slice(a, a + (c - 1) * s + 1, s) for a, c, s in zip(start[1:], count[1:], step[1:]))
+    if row > window and len(shape) > 1:
+        for i in range(count[0]):
+            r = start[0] + i * step[0]
+            _gather(read, base + r * row, shape[1:], itemsize, start[1:], count[1:], step[1:], dest[i], window)
+        return
+    per = max(1, (window // max(row, 1) - 1) // step[0] + 1)  # selected rows per window
+    for i0 in range(0, count[0], per):
+        i1 = min(count[0], i0 + per)
+        first, last = start[0] + i0 * step[0], start[0] + (i1 - 1) * step[0]
+        buf = torch.empty((last - first + 1, *shape[1:]), dtype=dest.dtype, device="cpu")
+        read(base + first * row, memoryview(tensor_bytes(buf)))
+        dest[i0:i1].copy_(buf[::step[0]][(slice(None), *inner)])

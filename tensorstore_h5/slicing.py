@@ -1,4 +1,5 @@
-"""Index expressions (``h[3]``, ``h[10:20]``, ``h[:, 3:7]``, ``h[..., ::2]``) -> HDF5 hyperslabs.
+"""Index expressions (``h[3]``, ``h[10:20]``, ``h[:, 3:7]``, ``h[..., ::2]``) -> HDF5 hyperslabs,
+and the arithmetic of strides (row-major strides, storage spans, gaps).
 
 Every read path turns its index into a :class:`Selection` here, once.
 (Key selection, ``select=``, lives in ``select.py``.)
@@ -10,7 +11,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Selection", "select", "whole", "rows"]
+__all__ = ["Selection", "select", "whole", "rows", "contiguous_stride", "stride_span", "has_gaps"]
 
 
 @dataclass(frozen=True)
@@ -109,3 +110,32 @@ def whole(shape: tuple[int, ...]) -> Selection:
 def rows(shape: tuple[int, ...], first: int, stop: int) -> Selection:
     """The selection of rows ``first:stop`` of dimension 0 (all of the other dimensions)."""
     return select(slice(first, stop), shape)
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The row-major (C) stride of ``shape``, in elements."""
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def stride_span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements of storage that a tensor of ``shape`` and ``stride`` spans (0 when empty)."""
+    if 0 in shape:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+
+
+def has_gaps(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """True when the layout leaves storage elements that no logical element uses (a view
+    sliced with a step): then the span exceeds what a dense or expanded layout needs."""
+    if 0 in shape:
+        return False
+    covered = 1  # storage elements [0, covered) are all used by the dimensions taken so far
+    for s, n in sorted((s, n) for n, s in zip(shape, stride) if n != 1 and s != 0):
+        if s > covered:
+            return True
+        covered += (n - 1) * s
+    return False

@@ -1,4 +1,11 @@
-"""Reading files: :class:`Store` (lazy, read-only) and :class:`TensorHandle`."""
+"""Reading files: :class:`Store` (lazy, read-only) and :class:`TensorHandle`.
+
+A store opens its file once and reads every byte through that open file, so a save that
+renames a new file over the path meanwhile is never mixed in. Format-2 files are read from
+their header and layout alone (byte ranges checked against the file before any read);
+format-1 and foreign HDF5 files through :mod:`tensorstore_h5.hdf5source`, whose checks run
+before any byte of a dataset is read.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +16,19 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Union
 
-import h5py
 import numpy as np
 import torch
 
-from . import codecs, compression, io, transfer, tree
+from . import checksum, hdf5source, io, transfer, tree
+from . import format as fmt
+from .codecs import DECODE_COST, ChunkReader, DecodeError
 from .display import Progress, human_bytes
 from .dtypes import bits_view
-from .errors import FormatError, KeyNotFoundError, MismatchError
-from .format import ArrayEntry, Container, ForeignEntry, Layout, TensorEntry, ValueEntry, contiguous_stride, read_layout
+from .errors import FormatError, KeyNotFoundError, MismatchError, TensorStoreError
+from .format import ArrayEntry, Chunked, Container, Contiguous, ForeignEntry, Layout, TensorEntry, ValueEntry
+from .hdf5source import HDF5Read
 from .select import Selector, closest, resolve
-from .slicing import Selection, select as select_index, whole
+from .slicing import Selection, contiguous_stride, select as select_index, whole
 from .tree import Leaf
 
 __all__ = ["Store", "TensorHandle", "open_store", "Device"]
@@ -27,10 +36,8 @@ __all__ = ["Store", "TensorHandle", "open_store", "Device"]
 PathLike = Union[str, "os.PathLike[str]"]
 Device = Union[None, str, torch.device, Mapping[str, Any], Callable[[str], Any]]
 
-HTML_RATIO_DATASETS = 2000
-"""The HTML view shows compression ratios for at most this many datasets (each needs an open)."""
-
-_H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
+_READ_ERRORS = (OSError, EOFError, DecodeError, checksum.ChecksumError, ValueError)
+"""What a read of stored bytes raises for a damaged or changed file (re-raised as FormatError)."""
 
 
 class TensorHandle:
@@ -84,13 +91,14 @@ class TensorHandle:
 
     @property
     def compression(self) -> dict[str, Any] | None:
-        """Filters and chunk shape of the dataset, or None when it is stored uncompressed."""
+        """Filter and chunk shape of the dataset, or None when it is stored uncompressed."""
         return self._store._compression(self._entry)
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         return self.read(index=index)
 
-    def read(self, out: torch.Tensor | None = None, *, index: Any = None, mmap: bool = False) -> torch.Tensor:
+    def read(self, out: torch.Tensor | None = None, *, index: Any = None, mmap: bool = False,
+             verify: bool = False) -> torch.Tensor:
         """Read the tensor, or the part selected by ``index``, into ``out`` or a new tensor.
 
         Args:
@@ -99,7 +107,8 @@ class TensorHandle:
                 read restores the saved stride.
             index: what ``h[index]`` would take: integers, slices (positive step), ``...``.
             mmap: return a tensor backed by the file's pages (copy-on-write) when the dataset
-                is contiguous, uncompressed and row-major; otherwise read as usual.
+                is contiguous, uncompressed, row-major and aligned; otherwise read as usual.
+            verify: check the stored checksums of the tensor (whole reads only).
 
         Returns:
             ``out``, or the new tensor.
@@ -107,23 +116,26 @@ class TensorHandle:
         Raises:
             MismatchError: ``out`` has another shape or dtype.
             IndexError: for an unsupported or out-of-range index.
-            FormatError: the dataset cannot be read (damaged or truncated file).
+            FormatError: the dataset cannot be read (damaged or truncated file, or, with
+                ``verify``, a checksum that does not match).
         """
+        if verify and index is not None:
+            raise ValueError("verify checks whole tensors; read without index, then slice")
         sel = select_index(() if index is None else index, self._entry.shape)
         if mmap:
             if out is not None or index is not None:
                 raise ValueError("read(mmap=True) maps the whole tensor; it takes no out or index")
-            mapped = self._store._mapped(self._entry, io.FileMap(self._store._rawfile(), whole=False))
+            mapped = self._store._mapped(self._entry, io.FileMap(self._store._rawfile(), whole=False), verify)
             if mapped is not None:
                 return mapped
-        return self._store._read_tensor(self._entry, sel, out, restore_layout=index is None)
+        return self._store._read_tensor(self._entry, sel, out, restore_layout=index is None, verify=verify)
 
     def _repr_html_(self) -> str:
         from .display import tree_html
 
         e = self._entry
         layout = "row-major" if e.stride is None else f"stride {list(e.stride)}"
-        where = f"packed in {e.dataset}" if e.packed is not None else ("same as " + e.same_as if e.same_as else "own dataset")
+        where = "same as " + e.same_as if e.same_as else ("compressed" if isinstance(e.extent, Chunked) else "contiguous")
         return tree_html(repr(self), [(e.path or "(root)", f"{e.dtype.name} {list(e.shape)} {layout}, {where}", human_bytes(e.nbytes))])
 
     def __repr__(self) -> str:
@@ -145,29 +157,57 @@ class Store:
 
     Raises:
         FileNotFoundError: no such file.
-        FormatError: not an HDF5 file, a newer format version, or a damaged layout.
+        IsADirectoryError: a directory.
+        FormatError: not a tensorstore_h5 or HDF5 file, an unknown format version, or a
+            damaged header or layout.
     """
 
     def __init__(self, path: PathLike) -> None:
         self.path = os.fspath(path)
-        if not os.path.exists(self.path):
-            raise FileNotFoundError(f"no such file: {self.path!r}")
-        try:
-            self._file: h5py.File | None = h5py.File(self.path, "r")
-        except OSError as e:
-            raise FormatError(f"{self.path}: not a readable HDF5 file ({e})") from e
-        try:
-            self._layout: Layout = read_layout(self._file, self.path)
-        except BaseException:
-            self._file.close()
-            raise
+        self._file: Any = None  # the h5py.File of a format-1 or foreign file
+        self._raw: io.RawFile | None = None
+        for _ in range(3):  # a save may rename a new file over the path while we open it
+            raw = io.RawFile(self.path)
+            try:
+                self._layout: Layout = self._open(raw)
+                break
+            except FileExistsError:
+                raw.close()
+            except BaseException:
+                raw.close()
+                raise
+        else:
+            raise FormatError(f"{self.path}: the file kept being replaced while it was opened")
+        self._raw = raw
         self._leaf_paths = self._layout.leaf_paths
         self._container_paths = self._layout.container_paths
-        self._offsets: dict[str, int | None] = {}  # dataset -> raw byte offset, once checked
-        self._pack_len: dict[str, int] = {}  # pack dataset -> elements
-        self._chunks: dict[str, codecs.RowChunks | None] = {}  # filtered dataset -> chunk index (None: HDF5 decodes)
-        self._raw: io.RawFile | None = None
+        self._located: dict[tuple[str, int | None], fmt.Extent | HDF5Read] = {}  # format 1 / foreign: checked locations
+        self._pack_len: dict[str, int] = {}
         self._stagers: dict[torch.device, Any] = {}  # device -> transfer.Stager, made on first use
+
+    def _open(self, raw: io.RawFile) -> Layout:
+        head = raw.read(0, min(raw.size, fmt.HEADER_SIZE))
+        if head[:8] == fmt.MAGIC:
+            header = fmt.parse_header(head, self.path, raw.size)
+            text = raw.read(header.layout_offset, header.layout_length)
+            if checksum.digest(text) != header.layout_hash:
+                raise FormatError(f"{self.path}: damaged layout (checksum mismatch)")
+            return fmt.parse_layout_v2(text, self.path, raw.size)
+        other = _other_format(head)
+        if other:
+            what, suffix = other
+            stem = os.path.splitext(self.path)[0]
+            src = self.path if self.path.endswith(suffix) else f"{stem}{suffix}"
+            rename = "" if src == self.path else f" (named {suffix} first)"
+            raise FormatError(f"{self.path}: not a tensorstore_h5 file: it looks like {what}; convert it with "
+                              f"`tensorstore-h5 convert {src} {stem}.h5`{rename}")
+        self._file = hdf5source.open_file(self.path, raw.identity)
+        try:
+            return hdf5source.read_layout(self._file, self.path)
+        except BaseException:
+            self._file.close()
+            self._file = None
+            raise
 
     # -- mapping-like view ---------------------------------------------------------------
 
@@ -193,7 +233,7 @@ class Store:
         entry = self._entry(key)
         if isinstance(entry, TensorEntry):
             return TensorHandle(self, entry)
-        return self._read_leaf(entry, {}, None, None, None)
+        return self._read_leaf(entry, {}, None, None, None, False)
 
     def _entry(self, key: str) -> Any:
         entry = self._layout.entry(key)
@@ -221,37 +261,36 @@ class Store:
         return sum(_data_bytes(e) for e in self._layout.leaves)
 
     def info(self) -> dict[str, Any]:
-        """Totals and, per tensor with a dataset of its own, dtype, shape, bytes, bytes on disk,
-        ratio (stored/original) and compression (filters and chunk shape, or None)."""
+        """Totals and, per tensor with data of its own, dtype, shape, bytes, bytes on disk,
+        ratio (stored/original) and compression (filter and chunk shape, or None)."""
         tensors = {}
         for e in self._layout.leaves:
             if isinstance(e, TensorEntry) and e.same_as is None and e.packed is None:
-                dsid = self._dataset(e)
-                stored = dsid.get_storage_size()
+                stored = self._stored_bytes(e)
                 tensors[e.path] = {"dtype": e.dtype.name, "shape": list(e.shape), "nbytes": e.nbytes, "stored_bytes": stored,
-                                   "ratio": stored / e.nbytes if e.nbytes else 1.0,
-                                   "compression": compression.describe(dsid.get_create_plist())}
+                                   "ratio": stored / e.nbytes if e.nbytes else 1.0, "compression": self._compression(e)}
         data = sum(t["nbytes"] for t in tensors.values())
         stored = sum(t["stored_bytes"] for t in tensors.values())
-        return {"file": self.path, "format_version": self.format_version, "file_bytes": os.path.getsize(self.path),
+        return {"file": self.path, "format_version": self.format_version, "file_bytes": self._rawfile().size,
                 "keys": len(self), "data_bytes": self.nbytes, "ratio": stored / data if data else 1.0,
                 "metadata": self.metadata, "tensors": tensors}
 
     # -- loading ------------------------------------------------------------------------
 
-    def items(self, select: Selector = None, device: Device = None, *, mmap: bool = False) -> Iterator[tuple[str, Any]]:
+    def items(self, select: Selector = None, device: Device = None, *, mmap: bool = False,
+              verify: bool = False) -> Iterator[tuple[str, Any]]:
         """Yield ``(key path, value)`` for the selected leaves, one at a time, in saved order.
 
         The store keeps no reference to what it yields, so memory falls as the caller drops
         each tensor. Aliased tensors come back as the same object while it is alive.
-        ``device`` and ``mmap`` are as for :meth:`load`.
+        ``device``, ``mmap`` and ``verify`` are as for :meth:`load`.
         """
         included = resolve(select, self._leaf_paths, self._container_paths, self.path)
         alive: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
         fmap = io.FileMap(self._rawfile(), whole=False) if mmap else None  # each tensor unmapped when dropped
         for entry in self._layout.leaves:
             if entry.path in included:
-                yield entry.path, self._read_leaf(entry, alive, device, fmap, None)
+                yield entry.path, self._read_leaf(entry, alive, device, fmap, None, verify)
 
     def selected_keys(self, select: Selector = None) -> list[str]:
         """The leaf key paths that ``select`` picks, in saved order (see :meth:`load`)."""
@@ -259,51 +298,89 @@ class Store:
         return [p for p in self._leaf_paths if p in included]
 
     def load(self, select: Selector = None, device: Device = None, progress: bool | None = None, *,
-             mmap: bool = False) -> Any:
+             mmap: bool = False, verify: bool = False) -> Any:
         """Load the selected leaves into the saved nesting (pruned to what was selected).
 
         Args:
             select: a glob, a list of exact keys or globs, or a callable on the key path.
             device: where tensors go: None (CPU), a device, or a mapping / callable from key
-                path to device.
+                path to device. Any spelling of the CPU (``"cpu:0"``) is the CPU.
             progress: progress bar by bytes (see :func:`tensorstore_h5.save`).
             mmap: return tensors backed by the file's pages (zero-copy, copy-on-write: writes
                 to them never reach the file or another tensor) for contiguous uncompressed
                 datasets saved row-major, all views of one mapping of the file that lives
                 while any of them does; other tensors are read as usual.
+            verify: check every tensor's stored checksums (format 2; a format-1 file has
+                none). About the cost of one more pass over the bytes, in the I/O threads.
 
         Raises:
             KeyNotFoundError: an exact key in ``select`` is not in the file.
-            FormatError: data cannot be read.
+            FormatError: data cannot be read, or (``verify``) a checksum does not match.
+            TensorStoreError: a device that does not exist here.
         """
         included = resolve(select, self._leaf_paths, self._container_paths, self.path)
         cache: dict[str, torch.Tensor] = {}
         items: list[Container | Leaf] = []
         fmap = io.FileMap(self._rawfile()) if mmap else None
-        with self._batched(progress, sum(_data_bytes(e) for e in self._layout.leaves if e.path in included)) as (bar, plan):
-            for entry in self._layout.entries:
+        entries = self._layout.entries
+        with self._batched(progress, sum(_data_bytes(e) for e in entries if e.path in included)) as (bar, plan):
+            for entry in entries:
                 if entry.path not in included:
                     continue
                 if isinstance(entry, Container):
                     items.append(entry)
                 else:
-                    items.append(Leaf(entry.path, entry.key, self._read_leaf(entry, cache, device, fmap, plan)))
+                    items.append(Leaf(entry.path, entry.key, self._read_leaf(entry, cache, device, fmap, plan, verify)))
                     bar.update(_data_bytes(entry))
         return tree.inflate(items)
 
-    def _read_into(self, pairs: list[tuple[TensorHandle, torch.Tensor]], progress: bool | None) -> None:
-        """Fill each target from its handle (shapes and dtypes already checked).
+    def _read_into(self, pairs: list[tuple[TensorEntry, torch.Tensor]], progress: bool | None, verify: bool) -> None:
+        """Fill each target from its entry (shapes already checked; a target of another dtype
+        is filled through a temporary of the stored dtype, cast like ``copy_``).
 
-        Every dataset is checked first (type, shape, byte range inside the file), so a
-        damaged or truncated file is refused before any target changes.
+        Every dataset is checked first (storage, type, shape, byte range inside the file),
+        and with ``verify`` every checksum, so a damaged file is refused before any target
+        changes.
         """
-        for handle, _ in pairs:
-            self._base(handle._entry)
-        with self._batched(progress, sum(h.nbytes for h, _ in pairs)) as (bar, plan):
-            for handle, target in pairs:
-                sel = whole(handle._entry.shape)
-                self._read_tensor(handle._entry, sel, target, restore_layout=False, plan=plan)
-                bar.update(handle.nbytes)
+        for entry, _ in pairs:
+            self._where(entry)
+        if verify:
+            for entry, _ in pairs:
+                self._verify_stored(entry)
+        with self._batched(progress, sum(e.nbytes for e, _ in pairs)) as (bar, plan):
+            for entry, target in pairs:
+                sel = whole(entry.shape)
+                if target.dtype == entry.dtype.torch_dtype:
+                    self._read_tensor(entry, sel, target, restore_layout=False, plan=plan)
+                else:
+                    value = self._read_tensor(entry, sel, None, restore_layout=False)
+                    with torch.no_grad():
+                        target.copy_(value)
+                bar.update(entry.nbytes)
+
+    def _verify_stored(self, entry: TensorEntry) -> None:
+        """Check ``entry``'s stored checksums by reading its bytes once (nothing kept)."""
+        where = self._where(entry)
+        if where is None or isinstance(where, HDF5Read) or where.hashes is None:
+            return
+        scratch = torch.empty(min(entry.nbytes, io.PIECE_BYTES), dtype=torch.uint8, device="cpu")
+        try:
+            if isinstance(where, Contiguous):
+                raw = self._rawfile()
+                for i, h in enumerate(where.hashes):
+                    n = min(where.block, where.nbytes - i * where.block)
+                    view = memoryview(io.tensor_bytes(scratch))[:n] if n <= scratch.numel() else memoryview(bytearray(n))
+                    raw.pread(where.offset + i * where.block, view)
+                    if checksum.digest(view) != h:
+                        raise checksum.ChecksumError(f"checksum mismatch in block {i}")
+            else:
+                reader = ChunkReader(where, self._rawfile().pread, verify=True)
+                dest = bytearray(where.chunk_bytes)
+                for k in range(len(where.chunks)):
+                    start, valid = where.span(k)
+                    reader.read(start, memoryview(dest)[:valid])
+        except _READ_ERRORS as e:
+            raise FormatError(f"{self.path}: key {entry.path!r}: {_why(e)}") from e
 
     @contextmanager
     def _batched(self, progress: bool | None, nbytes: int) -> Iterator[tuple[Progress, io.ReadPlan | None]]:
@@ -327,150 +404,147 @@ class Store:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _h5(self) -> h5py.File:
-        if self._file is None:
-            raise ValueError(f"{self.path}: the store is closed")
-        return self._file
-
     def _rawfile(self) -> io.RawFile:
-        self._h5()
         if self._raw is None:
-            self._raw = io.RawFile(self.path)
+            raise ValueError(f"{self.path}: the store is closed")
         return self._raw
 
     def _run(self, plan: io.ReadPlan) -> None:
         try:
             plan.run()
-        except (OSError, EOFError) as e:
-            raise FormatError(f"{self.path}: cannot read tensor data: {e}") from e
+        except TensorStoreError:
+            raise
+        except _READ_ERRORS as e:
+            raise FormatError(f"{self.path}: cannot read tensor data: {_why(e)}") from e
 
-    def _dataset(self, entry: TensorEntry | ArrayEntry | ForeignEntry) -> h5py.h5d.DatasetID:
-        """The open dataset of ``entry``, checked against the layout on first use."""
-        try:
-            dsid = h5py.h5d.open(self._h5().id, entry.dataset.encode("utf-8"))
-        except _H5_ERRORS as e:
-            raise FormatError(f"{self.path}: key {entry.path!r}: dataset {entry.dataset!r} is missing or not a dataset ({e})") from e
-        if entry.dataset not in self._offsets and isinstance(entry, (TensorEntry, ArrayEntry)):
-            self._offsets[entry.dataset] = self._check_dataset(entry, dsid)
-        return dsid
+    def _where(self, entry: TensorEntry | ArrayEntry) -> fmt.Extent | HDF5Read | None:
+        """Where ``entry``'s bytes are: its checked extent, an HDF5Read (format 1 and foreign
+        files only), or None when it has no bytes. Raises FormatError for anything the
+        format does not allow."""
+        if self._file is None:
+            self._rawfile()
+            return entry.extent
+        packed = entry.packed if isinstance(entry, TensorEntry) else None
+        key = (entry.dataset, packed)
+        where = self._located.get(key)
+        if where is None:
+            if self._raw is None:
+                raise ValueError(f"{self.path}: the store is closed")
+            where = self._located[key] = hdf5source.locate(self._file, entry, self.path, self._raw.size, self._pack_len)
+        if isinstance(where, Contiguous) and where.nbytes == 0:
+            return None
+        return where
 
-    def _base(self, entry: TensorEntry) -> int | None:
-        """File offset of ``entry``'s first byte when it can be read raw, else None. Checks
-        the dataset on first use (without opening it again later) and a packed entry's range."""
-        if entry.dataset not in self._offsets:
-            self._dataset(entry)
-        offset = self._offsets[entry.dataset]
-        if entry.packed is None:
-            return offset
-        if entry.packed + entry.numel > self._pack_len[entry.dataset]:
-            raise FormatError(f"{self.path}: key {entry.path!r}: packed range ends past its dataset {entry.dataset!r}")
-        return None if offset is None else offset + entry.packed * entry.dtype.itemsize
+    def _chunked(self, entry: TensorEntry) -> Chunked | None:
+        """The checked chunk list of a compressed tensor, or None for other storage."""
+        where = self._where(entry)
+        return where if isinstance(where, Chunked) else None
 
-    def _check_dataset(self, entry: TensorEntry | ArrayEntry, dsid: h5py.h5d.DatasetID) -> int | None:
-        """Check a dataset against its entry once; return its raw byte offset (or None)."""
-        packed = isinstance(entry, TensorEntry) and entry.packed is not None
-        try:
-            # an offset only for contiguous data stored in this file (not compact, external,
-            # chunked or unallocated): then the creation properties need no look
-            offset = dsid.get_offset()
-            shape = dsid.shape
-            same_type = isinstance(entry, TensorEntry) and dsid.get_type() == entry.dtype.h5_type
-            filtered = False
-            if offset is None or not same_type:
-                offset = None
-                dcpl = dsid.get_create_plist()
-                filtered = dcpl.get_layout() == h5py.h5d.CHUNKED and dcpl.get_nfilters() > 0
-        except _H5_ERRORS as e:
-            raise FormatError(f"{self.path}: key {entry.path!r}: unreadable dataset header ({e})") from e
-        if packed:
-            if len(shape) != 1:
-                raise FormatError(f"{self.path}: key {entry.path!r}: pack dataset {entry.dataset!r} is not 1-D")
-            self._pack_len[entry.dataset] = shape[0]
-            nbytes = shape[0] * entry.dtype.itemsize
-        elif shape != entry.shape:
-            raise FormatError(f"{self.path}: key {entry.path!r}: dataset shape {shape} does not match the layout's {entry.shape}")
-        else:
-            nbytes = entry.nbytes
-        if isinstance(entry, TensorEntry) and not entry.foreign and not same_type:
-            raise FormatError(f"{self.path}: key {entry.path!r}: dataset type does not match torch dtype {entry.dtype.name}")
-        if offset is not None and offset + nbytes > self._rawfile().size:
-            raise FormatError(
-                f"{self.path}: key {entry.path!r}: data ends at byte {offset + nbytes}, past the end of the "
-                f"file ({self._rawfile().size} bytes): truncated file"
-            )
-        if filtered:
-            compression.ensure_plugins()
-            if same_type and not packed:
-                try:
-                    self._chunks[entry.dataset] = codecs.row_chunks(dsid, entry.dtype.itemsize, dcpl)
-                except _H5_ERRORS as e:
-                    raise FormatError(f"{self.path}: key {entry.path!r}: unreadable chunk index ({e})") from e
-        return offset
+    def _stored_bytes(self, entry: TensorEntry) -> int:
+        where = self._where(entry)
+        if where is None:
+            return 0
+        if isinstance(where, Contiguous):
+            return where.nbytes
+        if isinstance(where, Chunked):
+            return where.stored_bytes
+        return int(where.dsid.get_storage_size())
 
-    def _row_chunks(self, entry: TensorEntry) -> codecs.RowChunks | None:
-        """The chunk index of a filtered dataset that codecs can decode in parallel, else None."""
-        if entry.dataset not in self._offsets:
-            self._dataset(entry)  # the first check indexes the chunks
-        return self._chunks.get(entry.dataset)
+    def _compression(self, entry: TensorEntry) -> dict[str, Any] | None:
+        where = self._where(entry)
+        if isinstance(where, Chunked):
+            return {"filters": [{"id": where.filter_id, "name": fmt.FILTERS.get(where.filter_id, str(where.filter_id)),
+                                 "options": list(where.filter_values)}], "chunks": list(where.chunk_shape)}
+        if isinstance(where, HDF5Read):
+            from .compression import describe
 
-    def _keyed(self, job: Callable[[], None], entry: TensorEntry) -> Callable[[], None]:
+            return describe(where.dsid.get_create_plist())
+        return None
+
+    def _keyed(self, job: Callable[[], None], entry: TensorEntry | ArrayEntry) -> Callable[[], None]:
         """``job`` with read errors turned into a FormatError naming the file and key."""
         def run() -> None:
             try:
                 job()
-            except (OSError, EOFError) as e:  # h5py reports read failures as OSError
-                raise FormatError(f"{self.path}: key {entry.path!r}: cannot read the data ({e})") from e
+            except TensorStoreError:
+                raise
+            except _READ_ERRORS as e:
+                raise FormatError(f"{self.path}: key {entry.path!r}: {_why(e)}") from e
         return run
 
-    def _compression(self, entry: TensorEntry) -> dict[str, Any] | None:
-        return compression.describe(self._dataset(entry).get_create_plist())
+    def _target(self, device: Device, key: str) -> torch.device | None:
+        """The device a leaf goes to: None for the CPU (any spelling), else a device that
+        exists here. Raises TensorStoreError naming the key and the device otherwise."""
+        dev = _device_for(device, key)
+        if dev is None:
+            return None
+        try:
+            d = torch.device(dev)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise TensorStoreError(f"{self.path}: key {key!r}: invalid device {dev!r} ({e})") from e
+        if d.type == "cpu":
+            return None
+        if d.type == "meta":
+            raise TensorStoreError(f"{self.path}: key {key!r}: cannot load data onto the meta device")
+        if d.type == "cuda" and not torch.cuda.is_available():
+            raise TensorStoreError(f"{self.path}: key {key!r}: device {str(d)!r} is not available (this torch has no "
+                                   "usable CUDA device)")
+        return d
 
-    def _read_leaf(self, entry: Any, cache: Any, device: Device, fmap: io.FileMap | None, plan: io.ReadPlan | None) -> Any:
+    def _read_leaf(self, entry: Any, cache: Any, device: Device, fmap: io.FileMap | None, plan: io.ReadPlan | None,
+                   verify: bool) -> Any:
         if isinstance(entry, ValueEntry):
             return entry.value
         if isinstance(entry, ForeignEntry):
             raise FormatError(f"{self.path}: key {entry.path!r} cannot be loaded as a tensor: {entry.reason}")
         if isinstance(entry, ArrayEntry):
-            ds = h5py.Dataset(self._dataset(entry))
-            try:
-                return np.asarray(ds[()], dtype=entry.dtype)
-            except _H5_ERRORS as e:
-                raise FormatError(f"{self.path}: key {entry.path!r}: cannot read the dataset ({e})") from e
+            return self._read_array(entry, verify)
         origin = entry.same_as or entry.path
         t = cache.get(origin)
         if t is None:
-            target = _device_for(device, entry.path)
-            on_cpu = _host(target)
-            t = self._mapped(entry, fmap) if fmap is not None and on_cpu else None
+            target = self._target(device, entry.path)
+            t = self._mapped(entry, fmap, verify) if fmap is not None and target is None else None
             sel = whole(entry.shape)
-            if t is None and not on_cpu:  # allocated on the device, filled through the staging buffers
+            if t is None and target is not None:  # allocated on the device, filled through the staging buffers
                 t = transfer.device_empty(entry.shape, entry.dtype.torch_dtype, target, entry.path)
-                self._read_tensor(entry, sel, t, restore_layout=False)
+                self._read_tensor(entry, sel, t, restore_layout=False, verify=verify)
                 if entry.stride is not None:
-                    t = io.restore_layout(t, entry.stride)  # on the device
-            elif t is None:
-                t = self._read_tensor(entry, sel, None, restore_layout=True, plan=plan if on_cpu else None)
-            if t.device != torch.device(target or "cpu"):
-                t = t.to(target)
-            if entry.requires_grad is not None:
+                    t = self._restore(t, entry)  # on the device
+            elif t is None:  # queued when nothing is done to it after the read
+                t = self._read_tensor(entry, sel, None, restore_layout=True, plan=plan, verify=verify)
+            if entry.parameter:
                 t = torch.nn.Parameter(t, requires_grad=entry.requires_grad)
+            elif entry.requires_grad:
+                t.requires_grad_(True)
             cache[origin] = t
         return t
 
-    def _read_hdf5(self, entry: TensorEntry, sel: Selection, dest: torch.Tensor) -> None:
-        """HDF5's own read of ``sel`` into ``dest`` (chunked, filtered or converted data)."""
-        dsid = self._dataset(entry)
+    def _read_array(self, entry: ArrayEntry, verify: bool) -> np.ndarray:
+        out = np.empty(entry.shape, dtype=entry.dtype)
+        where = self._where(entry)
+        if where is None:
+            return out
+        raw = self._rawfile()
         try:
-            if entry.packed is None:
-                io.read_hdf5(dsid, entry.dtype.h5_type, dest, sel)
-                return
-            full = io.empty(entry.shape, entry.dtype.torch_dtype)
-            span = select_index(slice(entry.packed, entry.packed + entry.numel), (self._pack_len[entry.dataset],))
-            io.read_hdf5(dsid, entry.dtype.h5_type, full, span)
-        except _H5_ERRORS as e:
-            raise FormatError(f"{self.path}: key {entry.path!r}: cannot read the data ({e})") from e
-        picked = bits_view(full)[tuple(slice(a, a + (c - 1) * st + 1, st) for a, c, st in zip(sel.start, sel.count, sel.step))]
-        bits_view(dest).copy_(picked.reshape(sel.shape))
+            view = memoryview(out.reshape(-1).view(np.uint8))
+            if isinstance(where, Contiguous):
+                raw.pread(where.offset, view)
+                if verify and where.hashes is not None and checksum.block_hashes(view, where.block) != list(where.hashes):
+                    raise checksum.ChecksumError("checksum mismatch")
+            elif isinstance(where, Chunked):
+                ChunkReader(where, raw.pread, verify).read(0, view)
+            else:
+                where.dsid.read(hdf5source.h5py.h5s.ALL, hdf5source.h5py.h5s.ALL, out)
+        except (*_READ_ERRORS, *hdf5source.H5_ERRORS) as e:
+            raise FormatError(f"{self.path}: key {entry.path!r}: {_why(e)}") from e
+        return out
+
+    def _restore(self, values: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+        assert entry.stride is not None
+        try:
+            return io.restore_layout(values, entry.stride)
+        except ValueError as e:
+            raise FormatError(f"{self.path}: key {entry.path!r}: {e}") from e
 
     def _stager(self, device: torch.device) -> Any:
         stager = self._stagers.get(device)
@@ -478,45 +552,68 @@ class Store:
             stager = self._stagers[device] = transfer.Stager(device)
         return stager
 
-    def _hdf5_rows(self, entry: TensorEntry, sel: Selection, limit: int) -> tuple[Any, int]:
-        """For staging a row range that only HDF5 can read (other filters, type conversion):
-        ``(fill, align)`` reading whole rows (whole chunks where chunks are row blocks) into
-        each staging buffer of ``limit`` bytes, or ``(None, 1)`` when the selection is not a
-        row range or one row does not fit a buffer."""
+    def _hdf5_read(self, entry: TensorEntry, where: HDF5Read, sel: Selection, dest: torch.Tensor) -> None:
+        """HDF5's own read of ``sel`` into ``dest`` (compact data, HDF5's filters, conversion;
+        a version-1 packed tensor is the range of its pack at its offset)."""
+        try:
+            if entry.packed is None:
+                io.read_hdf5(where.dsid, entry.dtype.h5_type, dest, sel)
+                return
+            full = io.empty(entry.shape, entry.dtype.torch_dtype)
+            span = select_index(slice(entry.packed, entry.packed + entry.numel), (self._pack_len[entry.dataset],))
+            io.read_hdf5(where.dsid, entry.dtype.h5_type, full, span)
+        except hdf5source.H5_ERRORS as e:
+            raise FormatError(f"{self.path}: key {entry.path!r}: cannot read the data ({hdf5source._short(e)})") from e
+        picked = bits_view(full)[tuple(slice(a, a + (c - 1) * st + 1, st) for a, c, st in zip(sel.start, sel.count, sel.step))]
+        bits_view(dest).copy_(picked.reshape(sel.shape))
+
+    def _hdf5_rows(self, entry: TensorEntry, where: HDF5Read, sel: Selection, limit: int) -> tuple[Any, int]:
+        """For staging a row range that only HDF5 can read: ``(fill, align)`` reading whole
+        rows into each staging buffer of ``limit`` bytes, or ``(None, 1)`` when the selection
+        is not a row range or one row does not fit a buffer."""
         shape = entry.shape
-        if entry.packed is not None or not shape or any(st != 1 for st in sel.step) or sel.count[1:] != shape[1:]:
+        if not shape or any(st != 1 for st in sel.step) or sel.count[1:] != shape[1:]:
             return None, 1
         row = entry.dtype.itemsize * math.prod(shape[1:])
         if row == 0 or row > limit:
             return None, 1
         align = row
-        dcpl = self._dataset(entry).get_create_plist()
-        if dcpl.get_layout() == h5py.h5d.CHUNKED and tuple(dcpl.get_chunk()[1:]) == tuple(shape[1:]):
-            if dcpl.get_chunk()[0] * row <= limit:
-                align = dcpl.get_chunk()[0] * row
+        try:
+            dcpl = where.dsid.get_create_plist()
+            if dcpl.get_layout() == hdf5source.h5py.h5d.CHUNKED and tuple(dcpl.get_chunk()[1:]) == tuple(shape[1:]) \
+                    and dcpl.get_chunk()[0] * row <= limit:
+                align = dcpl.get_chunk()[0] * row  # whole chunks per block: none is decoded twice
+        except hdf5source.H5_ERRORS:
+            pass
         first = sel.start[0]
 
         def fill(off: int, buf: torch.Tensor) -> None:
             a = first + off // row
-            self._read_hdf5(entry, select_index(slice(a, a + buf.numel() // row), shape), buf)
+            self._hdf5_read(entry, where, select_index(slice(a, a + buf.numel() // row), shape), buf)
         return fill, align
 
-    def _mapped(self, entry: TensorEntry, fmap: io.FileMap) -> torch.Tensor | None:
-        """A tensor of ``fmap`` for a row-major, contiguous, unfiltered dataset, else None."""
-        offset = self._base(entry)
-        if offset is None or entry.stride is not None or entry.numel == 0 or entry.packed is not None:
+    def _mapped(self, entry: TensorEntry, fmap: io.FileMap, verify: bool = False) -> torch.Tensor | None:
+        """A tensor of ``fmap`` for a row-major, contiguous, unfiltered dataset whose data
+        start at a multiple of the element size, else None (then it is read)."""
+        where = self._where(entry)
+        if not isinstance(where, Contiguous) or entry.stride is not None or where.offset % entry.dtype.itemsize:
             return None
         try:
-            return fmap.tensor(offset, entry.nbytes, entry.dtype.torch_dtype, entry.shape)
-        except (OSError, EOFError, ValueError) as e:
-            raise FormatError(f"{self.path}: key {entry.path!r}: cannot map the data ({e})") from e
+            t = fmap.tensor(where.offset, entry.nbytes, entry.dtype.torch_dtype, entry.shape)
+            if verify and where.hashes is not None and \
+                    checksum.block_hashes(io.tensor_bytes(bits_view(t)), where.block) != list(where.hashes):
+                raise checksum.ChecksumError("checksum mismatch")
+        except _READ_ERRORS as e:
+            raise FormatError(f"{self.path}: key {entry.path!r}: cannot map the data ({_why(e)})") from e
+        return t
 
     def _read_tensor(self, entry: TensorEntry, sel: Selection, out: torch.Tensor | None, restore_layout: bool,
-                     plan: io.ReadPlan | None = None) -> torch.Tensor:
+                     plan: io.ReadPlan | None = None, verify: bool = False) -> torch.Tensor:
         """Read ``sel`` of ``entry`` into ``out`` (checked first) or a new tensor.
 
         With ``plan``, raw reads are only queued: the caller runs the plan before using the
-        result (only for results that need no copy afterwards).
+        result (only for results that need no copy afterwards). ``verify`` (whole reads)
+        checks the stored checksums.
         """
         dtype = entry.dtype.torch_dtype
         if out is not None and (tuple(out.shape) != sel.shape or out.dtype != dtype):
@@ -524,56 +621,65 @@ class Store:
                 f"{self.path}: key {entry.path!r}: out has shape {tuple(out.shape)} and dtype {out.dtype}, "
                 f"the selection needs {sel.shape} and {dtype}"
             )
-        base = self._base(entry)
+        where = self._where(entry)
         raw = self._rawfile()
-        start = chunks = None  # the selection as one byte range: in the file, or in decoded chunks
-        if sel.contiguous_rows:
-            skip = sum(a * st for a, st in zip(sel.start, contiguous_stride(entry.shape))) * entry.dtype.itemsize
-            if base is not None:
-                start = base + skip
-            else:
-                chunks = self._row_chunks(entry)
+        verify = verify and sel.full
+        ranged = isinstance(where, (Contiguous, Chunked)) and sel.contiguous_rows
+        skip = sum(a * st for a, st in zip(sel.start, contiguous_stride(entry.shape))) * entry.dtype.itemsize
+        reader = ChunkReader(where, raw.pread, verify) if isinstance(where, Chunked) else None
 
-        def fetch(off: int, buf: np.ndarray) -> None:  # bytes [off, off + len(buf)) of the selection
-            if chunks is not None:
-                chunks.read(raw.pread, skip + off, buf)
+        def fetch(off: int, buf: Any) -> None:  # logical bytes [off, off + len(buf)) of the dataset
+            if reader is not None:
+                reader.read(off, buf)
             else:
-                raw.pread(start + off, memoryview(buf))
+                assert isinstance(where, Contiguous)
+                raw.pread(where.offset + off, memoryview(buf).cast("B"))
 
-        ranged = start is not None or chunks is not None
         if out is not None and _staged(out) and out.is_contiguous() and not sel.empty:
-            if start is not None and _gds(out) and transfer.gds_read(self.path, start, out):
+            if verify:
+                self._verify_stored(entry)
+            if isinstance(where, Contiguous) and ranged and _gds(out) and \
+                    transfer.gds_read(_fd_path(raw, self.path), where.offset + skip, out):
                 return out
-            stage = None
+            stage, align = None, 1
             if ranged:
-                align = chunks.chunk_bytes if chunks is not None else 1
-                stage = lambda off, buf: fetch(off, buf.numpy())  # noqa: E731
-            else:
-                stage, align = self._hdf5_rows(entry, sel, self._stager(out.device).block_bytes)
+                align = reader.chunk_bytes if reader is not None else 1
+                stage = lambda off, buf: fetch(skip + off, buf.numpy())  # noqa: E731
+            elif isinstance(where, HDF5Read):
+                stage, align = self._hdf5_rows(entry, where, sel, self._stager(out.device).block_bytes)
             if stage is not None:
                 self._keyed(lambda: self._stager(out.device).copy(out, stage, entry.path, align=align), entry)()
                 return out
         direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
         dest = out if direct else io.empty(sel.shape, dtype)
         post = (out is not None and not direct) or (out is None and restore_layout and entry.stride is not None)
-        if not sel.empty:
+        if not sel.empty and where is not None:
             queue = plan if plan is not None and not post else None
-            if queue is None and (chunks is not None or dest.numel() * dest.element_size() > io.PIECE_BYTES):
+            if queue is None and (reader is not None or dest.numel() * dest.element_size() > io.PIECE_BYTES):
                 queue = io.ReadPlan(raw)
-            if not ranged:
-                self._read_hdf5(entry, sel, dest)
+            if isinstance(where, HDF5Read):
+                self._hdf5_read(entry, where, sel, dest)
+            elif not ranged:
+                bits = bits_view(dest).view(sel.count) if dest.element_size() <= 8 else dest.view(sel.count)
+                self._keyed(lambda: io.gather(fetch, entry.shape, entry.dtype.itemsize, sel, bits), entry)()
+            elif reader is not None:
+                for job in reader.tasks(skip, io.tensor_bytes(dest)):
+                    assert queue is not None
+                    queue.add_job(self._keyed(job, entry), job.n * DECODE_COST)
             elif queue is None:  # one small range: read it here
-                self._keyed(lambda: raw.pread(start, memoryview(io.tensor_bytes(dest))), entry)()
-            elif chunks is None:
-                queue.add(start, dest, lambda job: self._keyed(job, entry))
+                self._keyed(lambda: fetch(skip, io.tensor_bytes(dest)), entry)()
+                if verify and where.hashes is not None and \
+                        checksum.block_hashes(io.tensor_bytes(dest), where.block) != list(where.hashes):
+                    raise FormatError(f"{self.path}: key {entry.path!r}: checksum mismatch")
             else:
-                for job in chunks.tasks(raw.pread, skip, io.tensor_bytes(dest)):
-                    queue.add_job(self._keyed(job, entry), job.n * codecs.DECODE_COST)
+                assert isinstance(where, Contiguous)
+                queue.add(where.offset + skip, dest, lambda job: self._keyed(job, entry),
+                          where.hashes if verify else None, where.block)
             if queue is not None and queue is not plan:
                 self._run(queue)
         if out is None:
             if restore_layout and entry.stride is not None:
-                return io.restore_layout(dest, entry.stride)
+                return self._restore(dest, entry)
             return dest
         if not direct:
             with torch.no_grad():
@@ -584,6 +690,7 @@ class Store:
 
     def close(self) -> None:
         """Close the file (idempotent). Handles of a closed store cannot read."""
+        self._located.clear()
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -593,7 +700,7 @@ class Store:
 
     @property
     def closed(self) -> bool:
-        return self._file is None
+        return self._raw is None
 
     def __enter__(self) -> Store:
         return self
@@ -606,16 +713,12 @@ class Store:
         from .display import tree_html
 
         rows = []
-        budget = HTML_RATIO_DATASETS
         for e in self._layout.leaves:
             if isinstance(e, TensorEntry):
                 desc = f"{e.dtype.name} {list(e.shape)}" + ("" if e.stride is None else f" stride {list(e.stride)}")
                 desc += f" (same as {e.same_as})" if e.same_as else ""
-                if e.packed is None and e.same_as is None and e.nbytes and budget > 0:
-                    budget -= 1
-                    dsid = self._dataset(e)
-                    if compression.describe(dsid.get_create_plist()) is not None:
-                        desc += f", compressed to {dsid.get_storage_size() / e.nbytes:.2f}"
+                if isinstance(e.extent, Chunked) and e.nbytes:
+                    desc += f", compressed to {e.extent.stored_bytes / e.nbytes:.2f}"
                 rows.append((e.path, desc, human_bytes(e.nbytes)))
             elif isinstance(e, ArrayEntry):
                 rows.append((e.path, f"ndarray {e.dtype} {list(e.shape)}", human_bytes(e.nbytes)))
@@ -628,18 +731,42 @@ class Store:
     def __repr__(self) -> str:
         n_t = sum(1 for e in self._layout.leaves if isinstance(e, TensorEntry))
         version = f"v{self._layout.version}" if self._layout.version else "foreign HDF5"
-        state = ", closed" if self._file is None else ""
+        state = ", closed" if self._raw is None else ""
         return f"<tensorstore_h5.Store {self.path!r} ({version}, {len(self)} keys, {n_t} tensors, {human_bytes(self.nbytes)}{state})>"
+
+
+def _why(e: BaseException) -> str:
+    """The reason of a read failure, for a message that already names the file and key."""
+    if isinstance(e, checksum.ChecksumError):
+        return f"stored bytes do not match their checksum ({e}): the file is damaged"
+    if isinstance(e, DecodeError):
+        return f"a compressed chunk does not decode ({e}): the file is damaged"
+    if isinstance(e, EOFError):
+        return f"cannot read the data ({e})"
+    return f"cannot read the data ({e})"
+
+
+def _other_format(head: bytes) -> tuple[str, str] | None:
+    """``(what, suffix)`` for a file that is neither tensorstore_h5 nor HDF5 but looks like a
+    format ``convert`` reads, from its first bytes."""
+    if head[:4] == b"PK\x03\x04":
+        return "a torch.save (zip) file", ".pt"
+    if head[:2] in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05"):
+        return "a pickle (legacy torch.save) file", ".pt"
+    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 2**32:
+        return "a safetensors file", ".safetensors"
+    return None
+
+
+def _fd_path(raw: io.RawFile, path: str) -> str:
+    """A path that opens the very file ``raw`` has open (Linux), else ``path``."""
+    proc = f"/proc/self/fd/{raw._fileno()}"
+    return proc if os.path.exists(proc) else path
 
 
 def _staged(t: torch.Tensor) -> bool:
     """True for targets filled through staging buffers (device memory, not the CPU's)."""
     return t.device.type != "cpu"
-
-
-def _host(device: Any) -> bool:
-    """True when a leaf for ``device`` is read into host memory (None or a CPU device)."""
-    return device is None or torch.device(device).type == "cpu"
 
 
 def _gds(t: torch.Tensor) -> bool:

@@ -11,7 +11,7 @@ import base64
 import math
 import re
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,11 +155,14 @@ _TYPE_NAMES = {v: k for k, v in CONTAINER_TYPES.items()}
 @dataclass(frozen=True)
 class Container:
     """A dict, OrderedDict, list or tuple at ``path``; ``key`` is its key in the parent dict
-    (None for list/tuple items and the root)."""
+    (None for list/tuple items and the root). ``module_metadata`` is the ``_metadata``
+    attribute of an OrderedDict made by ``Module.state_dict()`` (module prefix -> plain
+    values, e.g. ``{"": {"version": 2}}``), or None."""
 
     path: str
     key: Any
     type: str
+    module_metadata: dict[str, dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -188,7 +191,7 @@ def _flatten(obj: Any, path: str, key: Any, out: list[Container | Leaf], active:
         if id(obj) in active:
             raise UnsupportedTypeError(f"the value at key path {path!r} contains itself; cycles cannot be stored")
         active.add(id(obj))
-        out.append(Container(path, key, _TYPE_NAMES[t]))
+        out.append(Container(path, key, _TYPE_NAMES[t], _module_metadata(obj, path)))
         if isinstance(obj, dict):
             seen: dict[str, Any] = {}
             for k, v in obj.items():
@@ -212,18 +215,40 @@ def _flatten(obj: Any, path: str, key: Any, out: list[Container | Leaf], active:
         out.append(Leaf(path, key, obj))
 
 
+def _module_metadata(obj: Any, path: str) -> dict[str, dict[str, Any]] | None:
+    """A plain copy of an OrderedDict's ``_metadata`` (checked to hold only plain values)."""
+    meta = getattr(obj, "_metadata", None) if type(obj) is OrderedDict else None
+    if meta is None:
+        return None
+    if not isinstance(meta, Mapping) or not all(type(k) is str and isinstance(v, Mapping) for k, v in meta.items()):
+        raise UnsupportedTypeError(f"the _metadata of the state dict at key path {path!r} is not a mapping of "
+                                   "module prefixes to mappings; it cannot be stored")
+    out: dict[str, dict[str, Any]] = {}
+    for prefix, values in meta.items():
+        for name, value in values.items():
+            if type(name) is not str:
+                raise UnsupportedTypeError(f"_metadata[{prefix!r}] of the state dict at key path {path!r} has a "
+                                           f"non-str key {name!r}")
+            encode_value(value, f"{path}._metadata[{prefix!r}][{name!r}]")
+        out[prefix] = dict(values)
+    return out
+
+
 def inflate(items: Iterable[Container | Leaf]) -> Any:
     """Rebuild the nested value from pre-order containers and leaves whose values are
     already materialised. Children are placed in the order given; absent siblings are
     simply left out (pruned selections). Returns None when there are no items."""
     children: dict[str, list[tuple[Any, Any]]] = {}
     types: dict[str, str] = {}
+    metadata: dict[str, dict[str, dict[str, Any]]] = {}
     for item in items:
         if item.path == "" and isinstance(item, Leaf):
             return item.value
         if isinstance(item, Container):
             types[item.path] = item.type
             children[item.path] = []
+            if item.module_metadata is not None and item.type == "OrderedDict":
+                metadata[item.path] = item.module_metadata
         if item.path:
             value = _Pending(item.path) if isinstance(item, Container) else item.value
             children[item.path.rpartition("/")[0]].append((item.key, value))
@@ -232,6 +257,8 @@ def inflate(items: Iterable[Container | Leaf]) -> Any:
         pairs = [(k, built.pop(v.path) if isinstance(v, _Pending) else v) for k, v in children[path]]
         cls = CONTAINER_TYPES[types[path]]
         built[path] = cls(v for _, v in pairs) if cls in (list, tuple) else cls(pairs)
+        if path in metadata:
+            built[path]._metadata = OrderedDict((k, dict(v)) for k, v in metadata[path].items())
     return built.get("")
 
 

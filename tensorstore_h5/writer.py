@@ -1,7 +1,16 @@
-"""Writing files: the streaming, atomic :class:`Writer` and :func:`save`."""
+"""Writing files: the streaming, atomic :class:`Writer` and :func:`save` (format 2).
+
+A save writes ``<dir>/.<name>.<uuid>.partial`` beside the target, holding an exclusive
+``flock`` on it for its whole life, then writes the layout, the header, and renames the file
+over the target. A save that fails or is killed leaves any earlier file untouched; a later
+save of the same target removes the temporaries that no live process holds any more.
+"""
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import glob
 import os
 import stat
 import threading
@@ -14,24 +23,19 @@ import h5py
 import numpy as np
 import torch
 
+from . import checksum, io, tree
 from . import format as fmt
-from . import io, tree
 from .compression import Compression, resolve_compression
 from .display import Progress
-from .dtypes import bits_view, spec_for_name, spec_for_torch
-from .errors import UnsupportedTypeError
-from .format import ArrayEntry, Container, Entry, TensorEntry, ValueEntry
+from .dtypes import spec_for_torch
+from .errors import TensorStoreError, UnsupportedTypeError, WriteError
+from .format import ArrayEntry, Chunked, Container, Contiguous, Entry, TensorEntry, ValueEntry
+from .slicing import has_gaps
 from .tree import Leaf
 
-__all__ = ["Writer", "save"]
+__all__ = ["Writer", "save", "sweep_partials"]
 
 PathLike = str | os.PathLike[str]
-
-PACK_MAX_BYTES = 256
-"""Tensors of at most this many bytes (0-d ``step`` counters, tiny buffers) are packed back
-to back into one dataset per dtype under ``%packed/`` instead of a dataset each: an HDF5
-dataset costs about 100 us to create, a packed tensor about 1 us."""
-
 
 RELEASE_REPLACED = True
 """Saving over an existing file drops that file's pages from the page cache as the new file
@@ -54,7 +58,22 @@ def _lcpl() -> h5py.h5p.PropLCID:
     return lcpl
 
 
-def _check_tensor(t: torch.Tensor, path: str) -> None:
+def _plain(t: torch.Tensor, path: str) -> torch.Tensor:
+    """``t`` as a plain strided tensor with data, or UnsupportedTypeError naming the key.
+
+    ``nn.Parameter`` and subclasses whose data is an ordinary storage are stored as their
+    plain data (the subclass is not kept); wrapper subclasses (no storage of their own, such
+    as DTensor or FakeTensor), zero tensors, meta, nested, sparse and quantized tensors are
+    refused.
+    """
+    kind = type(t).__name__
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        dispatch = getattr(type(t), "__torch_dispatch__", None)
+        if dispatch is not None and dispatch is not torch.Tensor.__torch_dispatch__:
+            raise UnsupportedTypeError(
+                f"tensor at key path {path!r} is a {kind}, a tensor subclass that wraps other data; store its plain "
+                "data instead (for a DTensor, .full_tensor(); or use tensorstore_h5.distributed)"
+            )
     if t.layout != torch.strided:
         raise UnsupportedTypeError(
             f"tensor at key path {path!r} has layout {t.layout}; only dense tensors are stored: call .to_dense() first"
@@ -63,7 +82,14 @@ def _check_tensor(t: torch.Tensor, path: str) -> None:
         raise UnsupportedTypeError(f"quantized tensor at key path {path!r} cannot be stored; call .dequantize() first")
     if t.is_meta or getattr(t, "is_nested", False):
         raise UnsupportedTypeError(f"tensor at key path {path!r} has no data (meta or nested tensor)")
+    if t._is_zerotensor():
+        raise UnsupportedTypeError(f"tensor at key path {path!r} is a zero tensor (no storage); store torch.zeros(...) instead")
     spec_for_torch(t.dtype, path)
+    try:
+        t.untyped_storage()
+    except (RuntimeError, NotImplementedError) as e:
+        raise UnsupportedTypeError(f"tensor at key path {path!r} ({kind}) has no storage to save ({e})") from None
+    return t
 
 
 def _check_array(a: np.ndarray, path: str) -> None:
@@ -83,7 +109,7 @@ def prepare(obj: Any, file: str, root: str = "", key: Any = None) -> list[Contai
         for node in nodes:
             if isinstance(node, Leaf):
                 if isinstance(node.value, torch.Tensor):
-                    _check_tensor(node.value, node.path)
+                    _plain(node.value, node.path)
                 elif isinstance(node.value, np.ndarray):
                     _check_array(node.value, node.path)
     except UnsupportedTypeError as e:
@@ -91,13 +117,79 @@ def prepare(obj: Any, file: str, root: str = "", key: Any = None) -> list[Contai
     return nodes
 
 
+def sweep_partials(path: PathLike) -> list[str]:
+    """Remove the temporaries that earlier saves of ``path`` left behind (killed or crashed
+    processes) and that no live process holds; returns the names removed.
+
+    A save holds an exclusive ``flock`` on its temporary from creation to rename, and the
+    kernel releases it when the process dies, so a temporary whose lock can be taken is stale.
+    """
+    head, name = os.path.split(os.path.abspath(os.fspath(path)))
+    removed = []
+    for stale in glob.glob(os.path.join(glob.escape(head), f".{glob.escape(name)}.*.partial")):
+        try:
+            fd = os.open(stale, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.stat(stale, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                os.unlink(stale)
+                removed.append(stale)
+        except OSError:
+            pass  # held by a live save, or gone meanwhile
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _create_partial(path: str) -> tuple[str, int]:
+    """A new temporary beside ``path``, created and locked: ``(name, descriptor)``."""
+    head, name = os.path.split(os.path.abspath(path))
+    if not os.path.isdir(head):
+        raise FileNotFoundError(f"{path}: the directory {head!r} does not exist")
+    for _ in range(5):
+        tmp = os.path.join(head, f".{name}.{uuid.uuid4().hex}.partial")
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except PermissionError as e:
+            raise PermissionError(f"{path}: cannot create a file in {head!r} (permission denied); nothing was written") from e
+        except OSError as e:
+            if e.errno == errno.EROFS:
+                raise PermissionError(f"{path}: {head!r} is on a read-only file system; nothing was written") from e
+            raise
+        fcntl.flock(fd, fcntl.LOCK_EX)  # blocks only while a sweep looks at it
+        try:
+            if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
+                return tmp, fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # swept between creation and lock: take another name
+    raise TensorStoreError(f"{path}: could not create a temporary file beside it")
+
+
+def _h5_create(tmp: str) -> h5py.File:
+    """The HDF5 part of a format-2 file: 4096-byte user block, library-version bounds 1.10
+    (checksummed metadata), 64-byte alignment of every allocation, no HDF5 file locking (the
+    writer holds its own lock)."""
+    fcpl = h5py.h5p.create(h5py.h5p.FILE_CREATE)
+    fcpl.set_userblock(fmt.USERBLOCK)
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5py.h5f.LIBVER_V110, h5py.h5f.LIBVER_V110)
+    fapl.set_alignment(1, fmt.ALIGNMENT)
+    fapl.set_file_locking(False, True)
+    fapl.set_fclose_degree(h5py.h5f.CLOSE_STRONG)
+    return h5py.File(h5py.h5f.create(tmp.encode(), h5py.h5f.ACC_TRUNC, fcpl=fcpl, fapl=fapl))
+
+
 class Writer:
     """Streams values into a new file, atomically.
 
     Data goes to ``<dir>/.<name>.<uuid>.partial`` beside ``path``; :meth:`close` (or leaving
-    the ``with`` block normally) writes the layout and renames the file over ``path``. An
-    exception inside the ``with`` block, or :meth:`abort`, removes the partial file and
-    leaves any earlier file at ``path`` untouched.
+    the ``with`` block normally) writes the layout and header and renames the file over
+    ``path``. An exception inside the ``with`` block, or :meth:`abort`, removes the partial
+    file and leaves any earlier file at ``path`` untouched. Temporaries of ``path`` left by
+    killed saves are removed when the writer starts (see :func:`sweep_partials`).
 
     Example::
 
@@ -107,15 +199,19 @@ class Writer:
 
     Args:
         path: the file to create or replace.
-        compression: None (contiguous, uncompressed), a preset name, an hdf5plugin filter,
-            or a callable ``(key_path, tensor) -> preset | filter | None``.
+        compression: None (contiguous, uncompressed), a preset name, an hdf5plugin
+            ``Bitshuffle`` or ``Blosc2`` filter, or a callable ``(key_path, tensor) ->
+            preset | filter | None``.
         metadata: JSON-serialisable ``str`` -> value mapping, read back as ``Store.metadata``.
         progress: show a progress bar (None: automatic, see :func:`tensorstore_h5.save`).
         chunk_bytes: target chunk size in bytes of compressed datasets.
+        sync: ``fsync`` the file before the rename and its directory after it.
 
     Raises:
         UnsupportedTypeError: for a value that cannot be stored (nothing of it is written).
         ValueError: for a malformed or repeated key path.
+        WriteError: the file cannot be written (disk full, I/O error); nothing changes at ``path``.
+        PermissionError / FileNotFoundError: the directory cannot be written / does not exist.
     """
 
     def __init__(
@@ -126,27 +222,29 @@ class Writer:
         metadata: Mapping[str, Any] | None = None,
         progress: bool | None = None,
         chunk_bytes: int | None = None,
+        sync: bool = False,
     ) -> None:
         self.path = os.fspath(path)
         self._compression = resolve_compression(compression, chunk_bytes)
         self._metadata = dict(metadata or {})
         fmt.check_metadata(self._metadata)
-        head, name = os.path.split(os.path.abspath(self.path))
-        self._tmp = os.path.join(head, f".{name}.{uuid.uuid4().hex}.partial")
+        self._sync = sync
+        sweep_partials(self.path)
+        self._tmp, self._fd = _create_partial(self.path)
         self._replaced = _Replaced(self.path)
         try:
-            self._file = h5py.File(self._tmp, "w")
-        except BaseException:
-            self._replaced.close()
+            self._file: h5py.File | None = _h5_create(self._tmp)
+        except BaseException as e:
+            _discard(None, self._tmp, self._fd, self._replaced)
+            if isinstance(e, OSError):
+                raise self._failed("", e) from e
             raise
-        self._finalizer = weakref.finalize(self, _discard, self._file, self._tmp, self._replaced)
+        self._finalizer = weakref.finalize(self, _discard, self._file, self._tmp, self._fd, self._replaced)
         self._entries: list[Entry] = [Container("", None, "dict")]
         self._index: dict[str, Entry] = {"": self._entries[0]}
         self._aliases: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], str]] = {}
         self._lcpl = _lcpl()
-        self._packs: dict[str, list[bytes]] = {}
-        self._pack_sizes: dict[str, int] = {}
-        self._progress = Progress(progress, desc=f"saving {name}")
+        self._progress = Progress(progress, desc=f"saving {os.path.basename(self.path)}")
 
     # -- public --------------------------------------------------------------------------
 
@@ -172,19 +270,33 @@ class Writer:
         self._write_nodes(nodes)
 
     def close(self) -> None:
-        """Write the layout, close the file, and move it into place (idempotent)."""
+        """Write the layout and header, close the file, and move it into place (idempotent)."""
         if self._file is None:
             return
         try:
-            self._write_packs()
-            fmt.write_layout(self._file, self._entries, self._metadata)
-            self._file.close()
-            _replace(self._tmp, self.path, self._replaced)
+            try:
+                text = fmt.layout_text(self._entries, self._metadata)
+                fmt.write_root_attrs(self._file)
+                dsid = h5py.h5d.create(self._file.id, fmt.LAYOUT_DATASET.encode(), h5py.h5t.STD_U8LE,
+                                       h5py.h5s.create_simple((len(text),)), dcpl=_dcpl())
+                dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, np.frombuffer(text, dtype=np.uint8))
+                offset = dsid.get_offset()
+                del dsid
+                self._file.close()
+            except OSError as e:
+                raise self._failed("", e) from e
+            size = os.fstat(self._fd).st_size
+            header = fmt.Header(fmt.FORMAT_VERSION, size, offset, len(text), checksum.digest(text))
+            os.pwrite(self._fd, fmt.pack_header(header), 0)
+            if self._sync:
+                os.fsync(self._fd)
+            _replace(self._tmp, self.path, self._replaced, self._sync)
         except BaseException:
             self.abort()
             raise
         self._file = None
         self._finalizer.detach()
+        os.close(self._fd)
         self._progress.close()
 
     def abort(self) -> None:
@@ -212,6 +324,20 @@ class Writer:
     def _check_open(self) -> None:
         if self._file is None:
             raise ValueError(f"{self.path}: the writer is closed")
+
+    def _failed(self, key: str, e: OSError) -> WriteError:
+        """The error for an I/O failure while writing ``key`` (the save is abandoned)."""
+        head = os.path.dirname(os.path.abspath(self.path))
+        reason = str(e).split(" (", 1)[0] or type(e).__name__
+        try:
+            st = os.statvfs(head)
+            if st.f_bavail * st.f_frsize < 2**20 or getattr(e, "errno", None) == errno.ENOSPC:
+                reason = "no space left on the device"
+        except OSError:
+            pass
+        where = f" key {key!r}" if key else ""
+        return WriteError(f"{self.path}: cannot write{where} ({reason}); the save was abandoned and nothing "
+                          f"at {self.path!r} was changed")
 
     def _make_parents(self, names: list[str], keys: list[str], key: str) -> None:
         path = ""
@@ -242,25 +368,31 @@ class Writer:
 
     def _write_nodes(self, nodes: list[Container | Leaf]) -> None:
         for node in nodes:
-            if isinstance(node, Container):
-                self._add(node)
-            elif isinstance(node.value, torch.Tensor):
-                self._add(self._write_tensor(node.path, node.key, node.value))
-            elif isinstance(node.value, np.ndarray):
-                self._add(self._write_array(node.path, node.key, node.value))
-            else:
-                self._add(ValueEntry(node.path, node.key, node.value))
+            try:
+                if isinstance(node, Container):
+                    self._add(node)
+                elif isinstance(node.value, torch.Tensor):
+                    self._add(self._write_tensor(node.path, node.key, node.value))
+                elif isinstance(node.value, np.ndarray):
+                    self._add(self._write_array(node.path, node.key, node.value))
+                else:
+                    self._add(ValueEntry(node.path, node.key, node.value))
+            except OSError as e:
+                raise self._failed(node.path, e) from e
 
     def _write_tensor(self, path: str, key: Any, value: torch.Tensor) -> TensorEntry:
         t = value.detach()
+        if type(t) is not torch.Tensor:
+            t = t.as_subclass(torch.Tensor)
         if t.is_conj():
             t = t.resolve_conj()
         if t.is_neg():
             t = t.resolve_neg()
         spec = spec_for_torch(t.dtype, path)
         shape = tuple(t.shape)
-        stride = None if t.is_contiguous() else tuple(t.stride())
-        requires_grad = value.requires_grad if isinstance(value, torch.nn.Parameter) else None
+        stride = None if t.is_contiguous() or has_gaps(shape, tuple(t.stride())) else tuple(t.stride())
+        parameter = isinstance(value, torch.nn.Parameter)
+        requires_grad = bool(value.requires_grad)
         dataset = path or fmt.ROOT_DATASET
         alias_key = self._alias_key(t)
         if alias_key is not None:
@@ -268,56 +400,81 @@ class Writer:
             if hit is not None and hit[0]() is not None:
                 orig = self._index[hit[1]]
                 assert isinstance(orig, TensorEntry)
-                if orig.packed is not None:
-                    return TensorEntry(path, key, spec, shape, orig.dataset, stride, orig.path, requires_grad, packed=orig.packed)
-                self._file[dataset] = self._file[orig.dataset]  # hard link: one copy of the data
-                return TensorEntry(path, key, spec, shape, dataset, stride, orig.path, requires_grad)
+                self._file[dataset] = self._file[orig.dataset]  # type: ignore[index]  # hard link: one copy of the data
+                return TensorEntry(path, key, spec, shape, orig.dataset, stride, orig.path, parameter, requires_grad,
+                                   extent=orig.extent)
             self._aliases[alias_key] = (weakref.ref(value), path)
-        nbytes = t.numel() * spec.itemsize
-        if nbytes <= PACK_MAX_BYTES:
-            return self._pack(path, key, t, spec, shape, stride, requires_grad)
-        entry = TensorEntry(path, key, spec, shape, dataset, stride, None, requires_grad)
-        space = h5py.h5s.create(h5py.h5s.SCALAR) if not shape else h5py.h5s.create_simple(shape)
+        entry = TensorEntry(path, key, spec, shape, dataset, stride, None, parameter, requires_grad)
         dcpl = self._compression.dcpl(path, t, spec)
-        dsid = h5py.h5d.create(self._file.id, dataset.encode("utf-8"), spec.h5_type, space, dcpl=dcpl, lcpl=self._lcpl)
-        self._replaced.release(nbytes)
-        io.write_tensor(dsid, spec.h5_type, t)
-        fmt.write_tensor_attrs(dsid, entry)
+        dsid, extent = self._write_data(dataset, spec.h5_type, shape, t, spec.itemsize, dcpl)
+        fmt.write_dataset_attrs(dsid, entry)
         self._progress.update(entry.nbytes)
-        return entry
-
-    def _pack(self, path: str, key: Any, t: torch.Tensor, spec: Any, shape: tuple[int, ...],
-              stride: tuple[int, ...] | None, requires_grad: bool | None) -> TensorEntry:
-        """Append a small tensor's logical bytes to its dtype's pack (written at close)."""
-        data = bytes(io.tensor_bytes(bits_view(t).contiguous().cpu())) if t.numel() else b""
-        used = self._pack_sizes.get(spec.name, 0)
-        self._packs.setdefault(spec.name, []).append(data)
-        self._pack_sizes[spec.name] = used + len(data)
-        self._progress.update(len(data))
-        dataset = f"{fmt.PACK_GROUP}/{spec.name}"
-        return TensorEntry(path, key, spec, shape, dataset, stride, None, requires_grad, packed=used // spec.itemsize)
-
-    def _write_packs(self) -> None:
-        for name, chunks in self._packs.items():
-            spec = spec_for_name(name)
-            assert spec is not None
-            data = b"".join(chunks)
-            values = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-            dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-            dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
-            space = h5py.h5s.create_simple((len(data) // spec.itemsize,))
-            dsid = h5py.h5d.create(self._file.id, f"{fmt.PACK_GROUP}/{name}".encode(), spec.h5_type, space,
-                                   dcpl=dcpl, lcpl=self._lcpl)
-            io.write_hdf5(dsid, spec.h5_type, values)
-            fmt.write_pack_attrs(dsid, spec)
-        self._packs.clear()
+        return TensorEntry(path, key, spec, shape, dataset, stride, None, parameter, requires_grad, extent=extent)
 
     def _write_array(self, path: str, key: Any, value: np.ndarray) -> ArrayEntry:
         dataset = path or fmt.ROOT_DATASET
-        self._replaced.release(value.nbytes)
-        self._file.create_dataset(dataset, data=value)
+        data = np.ascontiguousarray(value)
+        bits = torch.from_numpy(data.reshape(-1).view(np.uint8)) if data.size else torch.empty(0, dtype=torch.uint8)
+        shape = tuple(value.shape)
+        _, extent = self._write_data(dataset, h5py.h5t.py_create(value.dtype), shape, bits, value.dtype.itemsize, _dcpl())
         self._progress.update(value.nbytes)
-        return ArrayEntry(path, key, value.dtype, tuple(value.shape), dataset)
+        return ArrayEntry(path, key, value.dtype, shape, dataset, extent)
+
+    def _write_data(self, dataset: str, h5type: Any, shape: tuple[int, ...], t: torch.Tensor, itemsize: int,
+                    dcpl: h5py.h5p.PropDCID) -> tuple[h5py.h5d.DatasetID, fmt.Extent | None]:
+        """Create ``dataset`` and write the logical bytes of ``t`` (a tensor of ``shape``, or
+        the raw bytes of an array) into it; returns it and where its bytes went, with their
+        hashes (None when it has none)."""
+        assert self._file is not None
+        nbytes = t.numel() * t.element_size()
+        space = h5py.h5s.create(h5py.h5s.SCALAR) if not shape else h5py.h5s.create_simple(shape)
+        dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
+        dapl.set_chunk_cache(0, 0, 1.0)  # chunks go to the file as they are written: their offsets are final
+        dsid = h5py.h5d.create(self._file.id, dataset.encode("utf-8"), h5type, space, dcpl=dcpl, lcpl=self._lcpl,
+                               dapl=dapl)
+        if nbytes == 0:
+            return dsid, None
+        self._replaced.release(nbytes)
+        chunked = dcpl.get_layout() == h5py.h5d.CHUNKED
+        extent: fmt.Extent
+        if chunked:
+            chunk = tuple(int(c) for c in dcpl.get_chunk())
+            probe = Chunked(shape, itemsize, chunk, fmt.BLOSC2_ID, (), ())  # geometry only
+            ends, acc = [], 0
+            grid = 1
+            for n, c in zip(shape, chunk):
+                grid *= -(-n // c)
+            for k in range(grid):
+                acc += probe.span(k)[1]
+                ends.append(acc)
+            hasher = checksum.BlockHasher(ends)
+        else:
+            hasher = checksum.BlockHasher(checksum.block_ends(nbytes, checksum.HASH_BLOCK))
+        io.write_tensor(dsid, h5type, t, on_bytes=hasher.update)
+        hashes = tuple(hasher.finish())
+        if not chunked:
+            offset = dsid.get_offset()
+            if offset is None:
+                raise OSError("HDF5 did not allocate the dataset's data")
+            return dsid, Contiguous(offset, nbytes, hashes)
+        dsid.flush()
+        code, _flags, values, _name = dcpl.get_filter(0)
+        found: dict[int, tuple[int, int, bool]] = {}
+        strides = [1] * len(shape)
+        grid_shape = [-(-n // c) for n, c in zip(shape, chunk)]
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * grid_shape[i + 1]
+
+        def visit(info: Any) -> None:
+            k = sum(o // c * s for o, c, s in zip(info.chunk_offset, chunk, strides))
+            found[k] = (int(info.byte_offset), int(info.size), info.filter_mask != 0)
+
+        dsid.chunk_iter(visit)
+        final = dsid.get_create_plist().get_filter(0)  # after HDF5's set_local filled in the values
+        extent = Chunked(shape, itemsize, chunk, int(code), tuple(int(v) for v in final[2]),
+                         tuple(found[k] for k in sorted(found)), hashes)
+        fmt.check_chunked(extent, None)
+        return dsid, extent
 
     @staticmethod
     def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
@@ -325,6 +482,13 @@ class Writer:
             return None
         storage = t.untyped_storage()
         return (t.device, storage.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _dcpl() -> h5py.h5p.PropDCID:
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    dcpl.set_obj_track_times(False)
+    return dcpl
 
 
 def _nbytes(value: Any) -> int:
@@ -377,22 +541,35 @@ class _Replaced:
             os.close(fd)
 
 
-def _replace(tmp: str, path: str, replaced: _Replaced) -> None:
+def _replace(tmp: str, path: str, replaced: _Replaced, sync: bool) -> None:
     """``os.replace(tmp, path)``, then let go of the old file off the caller's thread."""
     try:
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"{path} is a directory; choose a file name")
         os.replace(tmp, path)
+        if sync:
+            dfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
     finally:
         replaced.close(background=True)
 
 
-def _discard(f: h5py.File, tmp: str, replaced: _Replaced) -> None:
+def _discard(f: h5py.File | None, tmp: str, fd: int, replaced: _Replaced) -> None:
     try:
-        f.close()
+        if f is not None:
+            f.close()
     finally:
         replaced.close()
         try:
             os.unlink(tmp)
         except FileNotFoundError:
+            pass
+        try:
+            os.close(fd)
+        except OSError:
             pass
 
 
@@ -404,11 +581,13 @@ def save(
     metadata: Mapping[str, Any] | None = None,
     progress: bool | None = None,
     chunk_bytes: int | None = None,
+    sync: bool = False,
 ) -> None:
     """Save a tensor or a nested dict/list/tuple of tensors and plain values to ``path``.
 
     The file is written beside ``path`` and renamed over it at the end: a failure leaves
     any earlier file intact. Tensors that are the same view of one storage are stored once.
+    A state dict's ``_metadata`` (module versions) is kept.
 
     Example::
 
@@ -422,11 +601,14 @@ def save(
         progress: True/False force a progress bar by bytes; None shows one when the
             tensors total over 256 MiB and the output is interactive.
         chunk_bytes: target chunk size in bytes of compressed datasets.
+        sync: ``fsync`` the file and its directory (durable once ``save`` returns).
 
     Raises:
         UnsupportedTypeError: (a TypeError) naming the key path and type of a value that
             cannot be stored without pickle; nothing is written.
+        WriteError: (an OSError) the file cannot be written (disk full, I/O error); nothing changes.
     """
     nodes = prepare(obj, os.fspath(path))
-    with Writer(path, compression=compression, metadata=metadata, progress=progress, chunk_bytes=chunk_bytes) as w:
+    with Writer(path, compression=compression, metadata=metadata, progress=progress, chunk_bytes=chunk_bytes,
+                sync=sync) as w:
         w._write_root(nodes)

@@ -41,7 +41,7 @@ def test_load_into_reports_missing_and_unexpected(tmp_path) -> None:
     del sd["enc.bias"]
     th5.save(sd, tmp_path / "c.h5")
     dst = Net()
-    with pytest.raises(th5.MismatchError, match=r"missing keys \['enc.bias'\], unexpected keys \['extra'\]"):
+    with pytest.raises(th5.MismatchError, match=r"c.h5: .*nothing was changed: missing keys: 'enc.bias'; unexpected keys: 'extra'"):
         th5.load_into(dst, tmp_path / "c.h5")
     result = th5.load_into(dst, tmp_path / "c.h5", strict=False)
     assert result.missing_keys == ["enc.bias"] and result.unexpected_keys == ["extra"]
@@ -51,8 +51,12 @@ def test_load_into_reports_missing_and_unexpected(tmp_path) -> None:
 def test_load_into_mismatch_changes_nothing(tmp_path) -> None:
     th5.save({"a": torch.ones(3), "b": torch.ones(2, 2), "c": torch.ones(4)}, tmp_path / "c.h5")
     target = {"a": torch.zeros(3), "b": torch.zeros(2, 3), "c": torch.zeros(4, dtype=torch.float64)}
-    with pytest.raises(th5.MismatchError, match=r"c.h5.*'b': stored \[2, 2\] float32, target \[2, 3\].*'c'.*float64"):
+    with pytest.raises(th5.MismatchError, match=r"c.h5.*shapes differ: 'b' \(stored \[2, 2\], target \[2, 3\]\)$"):
         th5.load_into(target, tmp_path / "c.h5")
+    assert all(t.eq(0).all() for t in target.values())
+    del target["b"]
+    with pytest.raises(th5.MismatchError, match=r"dtypes differ \(strict_dtype\): 'c' \(stored float32, target float64\)"):
+        th5.load_into(target, tmp_path / "c.h5", strict=False, strict_dtype=True)
     assert all(t.eq(0).all() for t in target.values())
 
 

@@ -1,4 +1,4 @@
-"""Parallel chunk decode (codecs.py) against HDF5's own filter path, byte for byte."""
+"""Chunk decoding (codecs.py) against HDF5's own filter path, byte for byte, and its refusals."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _hdf5_bytes(path, dataset: str) -> np.ndarray:
     """The dataset's bytes as HDF5's filter pipeline decodes them (its own file type)."""
     with h5py.File(path, "r") as f:
         ds = f[dataset]
-        out = np.empty(ds.id.get_storage_size() and ds.size * ds.dtype.itemsize, dtype=np.uint8)
+        out = np.empty(ds.size * ds.dtype.itemsize, dtype=np.uint8)
         ds.id.read(h5py.h5s.ALL, h5py.h5s.ALL, out, mtype=ds.id.get_type())
         return out
 
@@ -46,10 +46,10 @@ def test_decode_matches_hdf5_filter_path(tmp_path, name, shape) -> None:
     t = _weights(shape, torch.float32, seed=len(shape))
     th5.save({"t": t}, tmp_path / "c.h5", compression=FILTERS[name](), chunk_bytes=64 * 1024)
     with th5.open(tmp_path / "c.h5") as s:
-        got = s["t"].read()
-        rc = s._row_chunks(s["t"]._entry)
-        assert rc is not None and len(rc.chunks) > 2 and rc.fallbacks == 0  # decoded here, not by HDF5
-        assert rc.chunks[-1].filtered and rc.nbytes % rc.chunk_bytes  # a padded last chunk is exercised
+        got = s["t"].read(verify=True)
+        chunked = s._chunked(s["t"]._entry)
+        assert chunked is not None and len(chunked.chunks) > 2
+        assert chunked.nbytes % chunked.chunk_bytes and not chunked.chunks[-1][2]  # a padded, filtered last chunk
     assert np.array_equal(bits(got).numpy(), _hdf5_bytes(tmp_path / "c.h5", "t"))
     assert_same_tensor(got, t)
 
@@ -60,9 +60,8 @@ def test_every_preset_and_dtype_decodes_here(tmp_path, preset, dtype) -> None:
     t = _weights((700, 40), dtype, seed=3)
     th5.save({"t": t}, tmp_path / "c.h5", compression=preset, chunk_bytes=16 * 1024)
     with th5.open(tmp_path / "c.h5") as s:
-        assert_same_tensor(s["t"].read(), t)
-        rc = s._row_chunks(s["t"]._entry)
-        assert rc is not None and rc.fallbacks == 0
+        assert_same_tensor(s["t"].read(verify=True), t)
+        assert s._chunked(s["t"]._entry) is not None
 
 
 @pytest.mark.parametrize("preset", ["lz4", "zstd"])
@@ -71,17 +70,31 @@ def test_byte_ranges_across_chunk_edges(tmp_path, preset) -> None:
     th5.save({"t": t}, tmp_path / "c.h5", compression=preset, chunk_bytes=37 * 2 * 64)  # 64-row chunks
     with th5.open(tmp_path / "c.h5") as s:
         h = s["t"]
-        assert s._row_chunks(h._entry).chunk_bytes == 37 * 2 * 64
+        chunked = s._chunked(h._entry)
+        assert chunked.chunk_bytes == 37 * 2 * 64
         for index in [slice(0, 64), slice(63, 65), slice(64, 128), slice(1, 999), slice(960, 1000), slice(999, 1000),
-                      7, 64, 999, (500, slice(3, 9)), (63, slice(36, 37)), slice(5, 5)]:
+                      7, 64, 999, (500, slice(3, 9)), (63, slice(36, 37)), slice(5, 5), (slice(None), 3),
+                      (slice(10, 900, 7), slice(1, 30, 4))]:
             assert_same_tensor(h[index], t[index], layout=False)
-        rc = s._row_chunks(h._entry)
+        reader = codecs.ChunkReader(chunked, s._rawfile().pread)
         for offset, n in [(0, 1), (1, 4735), (4735, 2), (4736, 4736), (73_999, 1)]:  # raw byte ranges
             buf = np.zeros(n, dtype=np.uint8)
-            rc.read(s._rawfile().pread, offset, buf)
+            reader.read(offset, buf)
             assert np.array_equal(buf, bits(t).numpy()[offset:offset + n]), (offset, n)
         with pytest.raises(ValueError, match="outside"):
-            rc.read(s._rawfile().pread, 73_999, np.zeros(2, dtype=np.uint8))
+            reader.read(73_999, np.zeros(2, dtype=np.uint8))
+
+
+def test_chunks_of_one_run_of_a_later_dimension(tmp_path) -> None:
+    """Rows larger than a chunk: chunks of shape (1, c, whole...) are consecutive runs too."""
+    t = _weights((3, 5000, 8), torch.float32, seed=6)
+    th5.save({"t": t}, tmp_path / "c.h5", compression="lz4", chunk_bytes=16 * 1024)
+    with th5.open(tmp_path / "c.h5") as s:
+        chunked = s._chunked(s["t"]._entry)
+        assert chunked.chunk_shape[0] == 1 and chunked.chunk_shape[1] < 5000
+        assert_same_tensor(s["t"].read(verify=True), t)
+        assert_same_tensor(s["t"][1, 4000:4900], t[1, 4000:4900], layout=False)
+        assert_same_tensor(s["t"][:, 17, 2:5], t[:, 17, 2:5], layout=False)
 
 
 def test_full_load_batches_decodes_of_many_datasets(tmp_path, monkeypatch) -> None:
@@ -96,7 +109,7 @@ def test_full_load_batches_decodes_of_many_datasets(tmp_path, monkeypatch) -> No
     monkeypatch.setattr(io, "_run_all", lambda jobs: (batches.append((len(jobs), threading.current_thread().name)), real(jobs))[1])
     with th5.open(tmp_path / "c.h5") as s:
         out = s.load()
-        assert all(s._row_chunks(s[k]._entry) is not None for k in sd)
+        assert all(s._chunked(s[k]._entry) is not None for k in sd)
     for k in sd:
         assert_same_tensor(out[k], sd[k])
     chunks = 12 * -(-20_000 // 4096)
@@ -104,27 +117,24 @@ def test_full_load_batches_decodes_of_many_datasets(tmp_path, monkeypatch) -> No
     assert any(name.startswith("tensorstore_h5-io") for _, name in batches)  # run on the pool while the plan grew
 
 
-def test_undecodable_chunks_fall_back_to_hdf5(tmp_path, monkeypatch) -> None:
+def test_a_chunk_the_decoder_refuses_is_an_error_not_a_fallback(tmp_path, monkeypatch) -> None:
     t = _weights((500, 64), torch.float32, seed=7)
     th5.save({"t": t}, tmp_path / "c.h5", compression="zstd", chunk_bytes=8192)
-    broken = iter(range(10**6))
+    real = codecs.decoder_for
 
-    def decoder_for(dcpl, itemsize):
-        real = codecs_decoder_for(dcpl, itemsize)
+    def decoder_for(extent):
+        decode = real(extent)
 
-        def decode(src, n, dst, dst_n):
-            if next(broken) % 2:
+        def refuse_third(src, n, dst, dst_n, calls=iter(range(10**6))):
+            if next(calls) == 2:
                 raise codecs.DecodeError("simulated")
-            real(src, n, dst, dst_n)
-        return decode
+            decode(src, n, dst, dst_n)
+        return refuse_third
 
-    codecs_decoder_for = codecs.decoder_for
     monkeypatch.setattr(codecs, "decoder_for", decoder_for)
     with th5.open(tmp_path / "c.h5") as s:
-        assert_same_tensor(s["t"].read(), t)
-        assert_same_tensor(s["t"][101:399], t[101:399])
-        rc = s._row_chunks(s["t"]._entry)
-        assert rc.fallbacks >= len(rc.chunks) // 2
+        with pytest.raises(th5.FormatError, match=r"c\.h5: key 't'.*does not decode.*simulated"):
+            s["t"].read()
 
 
 def test_chunks_stored_unfiltered_are_copied(tmp_path) -> None:
@@ -137,36 +147,34 @@ def test_chunks_stored_unfiltered_are_copied(tmp_path) -> None:
             ds.id.write_direct_chunk((first, 0), t[first:first + 64].numpy().tobytes(), filter_mask=1)
     with th5.open(tmp_path / "raw.h5") as s:
         assert torch.equal(s["t"].read(), t)
-        rc = s._row_chunks(s["t"]._entry)
-        assert rc is not None and [c.filtered for c in rc.chunks] == [True, True, False, False]
-        assert rc.fallbacks == 0
+        assert [raw for _, _, raw in s._chunked(s["t"]._entry).chunks] == [False, False, True, True]
 
 
-def test_other_pipelines_and_unwritten_chunks_are_read_by_hdf5(tmp_path) -> None:
+def test_hdf5s_own_filters_are_read_by_hdf5_and_others_refused(tmp_path) -> None:
     t = _weights((300, 16), torch.float32, seed=11)
     with h5py.File(tmp_path / "o.h5", "w") as f:
-        f.create_dataset("gzip", data=t.numpy(), chunks=(32, 16), compression="gzip", shuffle=True)
+        f.create_dataset("gzip", data=t.numpy(), chunks=(32, 16), compression="gzip", shuffle=True, fletcher32=True)
         f.create_dataset("columns", data=t.numpy(), chunks=(300, 4), **hdf5plugin.Blosc2())
         part = f.create_dataset("part", shape=(300, 16), dtype="<f4", chunks=(32, 16), fillvalue=1.5, **hdf5plugin.Blosc2())
         part[:100] = t[:100].numpy()
         f.create_dataset("big_endian", data=t.numpy().astype(">f4"), chunks=(32, 16), **hdf5plugin.Blosc2())
+        f.create_dataset("zstd", data=t.numpy(), chunks=(32, 16), **hdf5plugin.Zstd())
     with th5.open(tmp_path / "o.h5") as s:
-        for key in ("gzip", "columns", "big_endian"):
-            assert torch.equal(s[key].read(), t), key
-            assert s._row_chunks(s[key]._entry) is None, key
-        part = s["part"].read()
-        assert torch.equal(part[:100], t[:100]) and bool((part[100:] == 1.5).all())
-        assert s._row_chunks(s["part"]._entry) is None
+        assert torch.equal(s["gzip"].read(), t) and torch.equal(s["gzip"][5:9, 2], t[5:9, 2])
+        for key, why in [("columns", "not a run of whole rows"), ("part", "unwritten chunks"),
+                         ("big_endian", "would need HDF5's filter"), ("zstd", r"filters \[32015\]")]:
+            with pytest.raises(th5.FormatError, match=f"o.h5: key '{key}'.*{why}"):
+                s[key].read()
 
 
 def test_damaged_chunk_names_file_and_key(tmp_path) -> None:
     t = _weights((400, 64), torch.float32, seed=13)
     path = tmp_path / "c.h5"
     th5.save({"model": {"w": t}}, path, compression="zstd", chunk_bytes=8192)
-    with h5py.File(path, "r") as f:
-        info = f["model/w"].id.get_chunk_info(2)
+    with th5.open(path) as s:
+        offset = s._chunked(s["model/w"]._entry).chunks[2][0]
     with open(path, "r+b") as fh:
-        fh.seek(info.byte_offset + 8)
+        fh.seek(offset + 8)
         fh.write(b"\xff" * 64)
     with th5.open(path) as s:
         with pytest.raises(th5.FormatError, match=r"c\.h5.*model/w"):

@@ -81,9 +81,12 @@ def test_per_key_choice_and_tiny_tensors(tmp_path) -> None:
 
 def test_filter_object_and_unknown_preset(tmp_path) -> None:
     t = _smooth((128, 128), torch.float32)
-    th5.save({"w": t}, tmp_path / "c.h5", compression=hdf5plugin.Zstd(clevel=1))
+    th5.save({"w": t}, tmp_path / "c.h5", compression=hdf5plugin.Bitshuffle(cname="zstd", clevel=1))
     with th5.open(tmp_path / "c.h5") as s:
-        assert s["w"].compression["filters"][0]["id"] == hdf5plugin.ZSTD_ID
+        assert s["w"].compression["filters"][0]["id"] == hdf5plugin.BSHUF_ID
+    for refused in (hdf5plugin.Zstd(clevel=1), hdf5plugin.LZ4(), hdf5plugin.Bitshuffle(cname="none")):
+        with pytest.raises(ValueError, match="hdf5plugin.Bitshuffle|cname='lz4'"):
+            th5.save({"w": t}, tmp_path / "x.h5", compression=refused)
     with pytest.raises(ValueError, match="unknown compression preset 'lzma'.*'best', 'lz4', 'zstd'"):
         th5.save({"w": t}, tmp_path / "x.h5", compression="lzma")
     with pytest.raises(TypeError, match="compression must be"):

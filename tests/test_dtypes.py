@@ -48,8 +48,8 @@ def test_bfloat16_and_float8_e5m2_read_as_real_numbers_by_h5py(tmp_path) -> None
     with h5py.File(tmp_path / "f.h5") as f:
         np.testing.assert_array_equal(f["bf"].astype("f4")[()], bf.float().numpy())
         np.testing.assert_array_equal(f["e5"].astype("f4")[()], e5.float().numpy())
-        assert f["e4"].dtype == np.uint8 and f["e4"].attrs["torch_dtype"] == "float8_e4m3fn"
-        assert f["bf"].attrs["torch_dtype"] == "bfloat16"
+        assert f["e4"].dtype == np.uint8 and f["e4"].attrs["torch_dtype"] == b"float8_e4m3fn"
+        assert f["bf"].attrs["torch_dtype"] == b"bfloat16"
 
 
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")

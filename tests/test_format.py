@@ -13,9 +13,12 @@ import tensorstore_h5 as th5
 from tensorstore_h5 import format as fmt
 
 from data.make_v1 import golden
+from data.make_v2 import compression as compression2
+from data.make_v2 import golden as golden2
 from helpers import assert_same, bits
 
 GOLDEN = Path(__file__).parent / "data" / "v1.h5"
+GOLDEN2 = Path(__file__).parent / "data" / "v2.h5"
 
 
 def _structure(path: Path) -> dict:
@@ -39,29 +42,56 @@ def test_golden_v1_file_loads() -> None:
     assert out["model"]["embed.weight"] is out["model"]["head.weight"]
 
 
-def test_fresh_save_matches_golden_layout(tmp_path) -> None:
-    th5.save(golden(), tmp_path / "new.h5", metadata={"note": "golden v1"})
-    assert _structure(tmp_path / "new.h5") == _structure(GOLDEN)
+def test_golden_v2_file_loads() -> None:
+    with th5.open(GOLDEN2) as s:
+        assert s.format_version == 2 and s.metadata == {"note": "golden v2"}
+    out = th5.load(GOLDEN2, verify=True)
+    ref = golden2()
+    assert_same(out, ref)
+    assert out["model"]["embed.weight"] is out["model"]["head.weight"]
+    assert out["model"]._metadata == ref["model"]._metadata
+    assert out["grad"].requires_grad and isinstance(out["param"], torch.nn.Parameter) and not out["param"].requires_grad
+    assert out["model"]["pos"].stride() == (0, 1) and out["model"]["enc.0.weight"].stride() == (1, 12)
 
 
-def test_fresh_attributes_have_the_golden_file_hdf5_types(tmp_path) -> None:
-    """The low-level attribute writer stores what h5py's ``attrs[...] = str`` stored."""
-    th5.save(golden(), tmp_path / "new.h5", metadata={"note": "golden v1"})
+def _layout_text(path: Path) -> list[dict]:
+    with h5py.File(path) as f:
+        head, *lines = bytes(f["%layout"][()]).decode().split("\n")
+    return [json.loads(head), *[json.loads(line) for line in lines]]
 
-    def attr_types(path: Path) -> dict:
-        out = {}
-        with h5py.File(path) as f:
-            def visit(name, obj):
-                for k in obj.attrs:
-                    aid = obj.attrs.get_id(k)
-                    t = aid.get_type()
-                    out[name, k] = (aid.shape, t.get_class(), t.is_variable_str() if t.get_class() == h5py.h5t.STRING else None,
-                                    t.get_cset() if t.get_class() == h5py.h5t.STRING else None)
-            f.visititems(visit)
+
+def test_fresh_save_matches_golden_v2(tmp_path) -> None:
+    """Same names, attributes and HDF5 types; the same layout but for where HDF5 put the bytes."""
+    th5.save(golden2(), tmp_path / "new.h5", metadata={"note": "golden v2"}, compression=compression2, chunk_bytes=8192)
+    assert _structure(tmp_path / "new.h5") == _structure(GOLDEN2)
+
+    def placeless(entries: list[dict]) -> list[dict]:
+        out = []
+        for e in entries:
+            e = dict(e)
+            e.pop("at", None)
+            if "chunks" in e:
+                e["chunks"] = {k: v for k, v in e["chunks"].items() if k != "at"} | {"n": len(e["chunks"]["at"])}
+            out.append(e)
         return out
 
-    fresh, old = attr_types(tmp_path / "new.h5"), attr_types(GOLDEN)
-    assert fresh == old and any(k == "torch_dtype" for _, k in fresh)
+    assert placeless(_layout_text(tmp_path / "new.h5")) == placeless(_layout_text(GOLDEN2))
+
+
+def test_fresh_file_is_aligned_checksummed_hdf5_with_its_header(tmp_path) -> None:
+    th5.save(golden2(), tmp_path / "new.h5", compression=compression2, chunk_bytes=8192)
+    raw = (tmp_path / "new.h5").read_bytes()
+    assert raw[:8] == fmt.MAGIC and raw[4096:4104] == fmt.HDF5_SIGNATURE
+    assert raw[4104] >= 2  # superblock version 2 or later: metadata with checksums
+    header = fmt.parse_header(raw[:64], "new.h5", len(raw))
+    assert header.version == 2 and header.file_length == len(raw)
+    for e in _layout_text(tmp_path / "new.h5")[1:]:
+        if "at" in e:
+            assert e["at"] % 64 == 0
+    with h5py.File(tmp_path / "new.h5") as f:
+        assert f.attrs["tensorstore_h5.version"] == 2 and f.attrs["tensorstore_h5.format"] == b"tensorstore_h5"
+        assert f["model/enc.0.bias"].shape == (3,)  # a 6-byte tensor is a dataset at its key path
+        assert f["model/head.weight"].id == f["model/embed.weight"].id  # hard link, one copy
 
 
 def test_golden_file_is_readable_with_plain_h5py() -> None:
@@ -83,9 +113,11 @@ def test_golden_file_is_readable_with_plain_h5py() -> None:
 
 
 @pytest.mark.parametrize("mutate, match", [
-    (lambda f: f.attrs.__setitem__(fmt.ATTR_VERSION, 2), "newer"),
+    (lambda f: f.attrs.__setitem__(fmt.ATTR_VERSION, 2), "format-2 file without its header"),
+    (lambda f: f.attrs.__setitem__(fmt.ATTR_VERSION, 3), "version 3, which this library does not read"),
     (lambda f: f.attrs.__setitem__(fmt.ATTR_VERSION, "one"), "damaged root attribute"),
     (lambda f: f.attrs.__setitem__(fmt.ATTR_FORMAT, "other"), "expected 'tensorstore_h5'"),
+    (lambda f: f.attrs.__delitem__(fmt.ATTR_FORMAT), "expected 'tensorstore_h5'"),
     (lambda f: f.attrs.__delitem__(fmt.ATTR_LAYOUT), "incomplete file"),
     (lambda f: f.attrs.__setitem__(fmt.ATTR_LAYOUT, "{not json"), "not valid JSON"),
     (lambda f: f.attrs.__setitem__(fmt.ATTR_LAYOUT, '{"entries": []}'), "no entries"),
@@ -168,8 +200,11 @@ def test_missing_dataset_names_the_key(tmp_path) -> None:
 
 def test_not_hdf5_and_truncated_files(tmp_path) -> None:
     junk = tmp_path / "junk.h5"
-    junk.write_bytes(b"PK\x03\x04 definitely not hdf5" * 10)
-    with pytest.raises(th5.FormatError, match="junk.h5.*not a readable HDF5 file"):
+    junk.write_bytes(b"definitely not hdf5" * 10)
+    with pytest.raises(th5.FormatError, match="junk.h5: not a readable HDF5 or tensorstore_h5 file"):
+        th5.open(junk)
+    junk.write_bytes(b"PK\x03\x04 a zip" * 10)
+    with pytest.raises(th5.FormatError, match="junk.h5: .*torch.save \\(zip\\) file.*tensorstore-h5 convert"):
         th5.open(junk)
     data = GOLDEN.read_bytes()
     for cut in (len(data) // 2, 600, 100):

@@ -9,10 +9,17 @@ import numpy as np
 import pytest
 import torch
 
+import shutil
+from pathlib import Path
+
 import tensorstore_h5 as th5
 from tensorstore_h5 import io
+from tensorstore_h5.format import Contiguous
+from tensorstore_h5.hdf5source import HDF5Read
 
-from helpers import ALL_DTYPES, assert_same_tensor, random_tensor
+from helpers import ALL_DTYPES, assert_same_tensor, bits, random_tensor
+
+GOLDEN = Path(__file__).parent / "data" / "v1.h5"
 
 
 @pytest.fixture()
@@ -22,68 +29,59 @@ def small_pieces(monkeypatch):
     monkeypatch.setattr(io, "IO_THREADS", 2)
 
 
-@pytest.fixture()
-def hdf5_only(monkeypatch):
-    """Force HDF5's own read path (as for chunked or converted datasets)."""
-    real = th5.Store._base
-
-    def no_raw(self, entry):
-        real(self, entry)  # the checks still run
-        return None
-
-    return lambda: monkeypatch.setattr(th5.Store, "_base", no_raw)
+def _h5py_bits(path, key: str) -> np.ndarray:
+    """A dataset's stored bits as plain h5py reads them (its own file type, no conversion)."""
+    with h5py.File(path, "r") as f:
+        ds = f[key]
+        out = np.empty(ds.size * ds.id.get_type().get_size(), dtype=np.uint8)
+        if ds.size:
+            ds.id.read(h5py.h5s.ALL, h5py.h5s.ALL, out, mtype=ds.id.get_type())
+        return out
 
 
-SHAPES = [(0,), (), (1,), (37, 11), (5000,), (3, 1, 2)]  # packed (<= 256 bytes) and dataset-backed
+SHAPES = [(0,), (), (1,), (37, 11), (5000,), (3, 1, 2)]
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-def test_fast_full_read_matches_hdf5(tmp_path, small_pieces, hdf5_only, dtype) -> None:
+def test_raw_reads_match_what_hdf5_stored(tmp_path, small_pieces, dtype) -> None:
+    """Every tensor, small ones included, is a dataset at its key path holding what the
+    layout's byte range holds."""
     tensors = {f"t{i}": random_tensor(shape, dtype, seed=i) for i, shape in enumerate(SHAPES)}
     th5.save(tensors, tmp_path / "f.h5")
-    with th5.open(tmp_path / "f.h5") as s:
-        fast = s.load()
-        assert any(v is not None for v in s._offsets.values())  # the raw path was taken
-    hdf5_only()
-    with th5.open(tmp_path / "f.h5") as s:
-        slow = s.load()
+    out = th5.load(tmp_path / "f.h5", verify=True)
     for k, t in tensors.items():
-        assert_same_tensor(fast[k], t)
-        assert_same_tensor(slow[k], t)
+        assert_same_tensor(out[k], t)
+        assert np.array_equal(bits(out[k]).numpy(), _h5py_bits(tmp_path / "f.h5", k))
 
 
-@pytest.mark.parametrize("shape", [(101, 7, 3), (4, 3, 2)], ids=["dataset", "packed"])
-def test_row_slices_at_odd_offsets_both_paths(tmp_path, small_pieces, hdf5_only, shape) -> None:
-    t = random_tensor(shape, torch.float16, seed=3)
+@pytest.mark.parametrize("window", [10**9, 64, 7], ids=["one window", "row windows", "split rows"])
+def test_row_and_strided_slices_at_odd_offsets(tmp_path, small_pieces, monkeypatch, window) -> None:
+    monkeypatch.setattr(io, "GATHER_WINDOW", window)
+    t = random_tensor((101, 7, 3), torch.float16, seed=3)
     th5.save({"t": t}, tmp_path / "f.h5")
     indexes = [slice(0, 1), slice(1, 3), slice(3, 4), (2,), (2, 1), (2, slice(1, 3)), (slice(1, 3), 1), slice(2, 2),
-               (slice(None), slice(None), 1), (slice(0, 4, 2), slice(None, None, 2))]
+               (slice(None), slice(None), 1), (slice(0, 4, 2), slice(None, None, 2)), (slice(3, 100, 9), 6, slice(0, 3, 2)),
+               (Ellipsis, 2), (slice(None), slice(0, 0))]
     with th5.open(tmp_path / "f.h5") as s:
-        fast = [s["t"][i] for i in indexes]
-    hdf5_only()
-    with th5.open(tmp_path / "f.h5") as s:
-        slow = [s["t"][i] for i in indexes]
-    for index, a, b in zip(indexes, fast, slow):
-        ref = t[index].contiguous().view(torch.int16)
-        assert torch.equal(a.view(torch.int16), ref) and torch.equal(b.view(torch.int16), ref), index
+        for index in indexes:
+            ref = t[index].contiguous().view(torch.int16)
+            assert torch.equal(s["t"][index].view(torch.int16), ref), index
 
 
-def test_packed_tensors_survive_a_chunked_rewrite_of_their_pack(tmp_path) -> None:
-    """A pack rewritten by another tool (chunked here) is read through HDF5."""
-    src = {"a": torch.arange(5, dtype=torch.int64), "b": torch.tensor(7, dtype=torch.int64), "c": torch.arange(6).reshape(2, 3)}
+def test_version1_packs_rewritten_chunked_by_another_tool_read_through_hdf5(tmp_path) -> None:
+    """A version-1 pack rewritten by another tool (chunked, unfiltered) is read through HDF5."""
     path = tmp_path / "f.h5"
-    th5.save(src, path)
+    shutil.copy(GOLDEN, path)
     with h5py.File(path, "r+") as f:
-        data = f["%packed/int64"][()]
-        attrs = dict(f["%packed/int64"].attrs)
-        del f["%packed/int64"]
-        f.create_dataset("%packed/int64", data=data, chunks=(4,))
-        f["%packed/int64"].attrs.update(attrs)
-    with th5.open(path) as s:
-        out = s.load()
-        assert s._offsets["%packed/int64"] is None
-        assert s["c"][1].tolist() == [3, 4, 5]
-    assert all(torch.equal(out[k], src[k]) for k in src)
+        data = f["%packed/float32"][()]
+        attrs = dict(f["%packed/float32"].attrs)
+        del f["%packed/float32"]
+        f.create_dataset("%packed/float32", data=data, chunks=(4,))
+        f["%packed/float32"].attrs.update(attrs)
+    ref = th5.load(GOLDEN)
+    out = th5.load(path)
+    assert torch.equal(out["optim"]["state"][0]["step"], ref["optim"]["state"][0]["step"])
+    assert torch.equal(out["model"]["enc.0.gate"], ref["model"]["enc.0.gate"])
 
 
 def test_batched_load_into_targets(tmp_path, small_pieces) -> None:
@@ -99,8 +97,8 @@ def test_truncated_data_is_refused_before_any_target_changes(tmp_path) -> None:
     src = {"a": torch.ones(1000), "b": torch.ones(300, 1000)}
     path = tmp_path / "f.h5"
     th5.save(src, path)
-    with h5py.File(path) as f:
-        end_b = f["b"].id.get_offset() + 300 * 1000 * 4
+    with th5.open(path) as s:
+        end_b = s["b"]._entry.extent.offset + 300 * 1000 * 4
     data = path.read_bytes()
     path.write_bytes(data[: end_b - 10] + data[end_b:])  # drop 10 bytes inside b's data
     dst = {"a": torch.zeros(1000), "b": torch.zeros(300, 1000)}
@@ -111,17 +109,14 @@ def test_truncated_data_is_refused_before_any_target_changes(tmp_path) -> None:
 
 @pytest.mark.parametrize("pieces", ["one range", "queued pieces"])
 def test_a_file_that_shrinks_after_open_names_the_key(tmp_path, monkeypatch, pieces) -> None:
-    """The size check at first use passed; the bytes are gone when the read runs."""
+    """The ranges were checked at open; the bytes are gone when the read runs."""
     if pieces == "queued pieces":
         monkeypatch.setattr(io, "PIECE_BYTES", 1000)  # every tensor goes through the read plan's pieces
     path = tmp_path / "f.h5"
-    th5.save({"a": torch.ones(100), "b": torch.ones(300, 100)}, path)  # both above the packing size
-    with h5py.File(path) as f:
-        end_a = f["a"].id.get_offset() + 400
-        assert f["b"].id.get_offset() > end_a
+    th5.save({"a": torch.ones(100), "b": torch.ones(300, 100)}, path)
     with th5.open(path) as s:
-        for key in ("a", "b"):
-            s._base(s[key]._entry)  # checked while the file was whole
+        end_a = s["a"]._entry.extent.offset + 400
+        assert s["b"]._entry.extent.offset > end_a
         os.truncate(path, end_a + 8)
         for read in (s.load, lambda: s["b"].read(), lambda: dict(s.items())):
             with pytest.raises(th5.FormatError, match="f.h5: key 'b': cannot read the data.*truncated"):
@@ -244,20 +239,27 @@ def test_empty_holds_no_memory_beyond_the_tensor(huge: bool, monkeypatch) -> Non
     del kept
 
 
-def test_raw_path_only_for_contiguous_datasets_of_the_canonical_type(tmp_path) -> None:
+def test_foreign_datasets_read_raw_through_hdf5_or_refused(tmp_path) -> None:
+    """Foreign files: contiguous data of the canonical type are read raw; HDF5 reads compact,
+    converted and HDF5-filtered data; external and unwritten data are refused."""
+    (tmp_path / "x.bin").write_bytes(np.arange(10, dtype="<f4").tobytes())
     with h5py.File(tmp_path / "f.h5", "w") as f:
         f.create_dataset("c", data=np.arange(10, dtype="<f4"))
         f.create_dataset("k", data=np.arange(10, dtype="<f4"), chunks=(5,))
         f.create_dataset("b", data=np.arange(10, dtype=">f4"))
         f.create_dataset("z", shape=(10,), dtype="<f4")  # never written: no storage
-        f.create_dataset("x", data=np.arange(10, dtype="<f4"), external=[(str(tmp_path / "x.bin"), 0, h5py.h5f.UNLIMITED)])
+        f.create_dataset("x", shape=(10,), dtype="<f4", external=[(str(tmp_path / "x.bin"), 0, h5py.h5f.UNLIMITED)])
         dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
         dcpl.set_layout(h5py.h5d.COMPACT)
         dsid = h5py.h5d.create(f.id, b"m", h5py.h5t.IEEE_F32LE, h5py.h5s.create_simple((10,)), dcpl=dcpl)
         dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, np.arange(10, dtype="<f4"))
     with th5.open(tmp_path / "f.h5") as s:
-        for k in "ckbzxm":
-            assert torch.equal(s[k].read(), torch.arange(10, dtype=torch.float32) if k != "z" else torch.zeros(10))
+        for k in "ckbm":
+            assert torch.equal(s[k].read(), torch.arange(10, dtype=torch.float32))
             assert torch.equal(s[k].read(mmap=True), s[k].read())
-        assert s._offsets["c"] is not None
-        assert all(s._offsets[k] is None for k in "kbzxm")
+        assert isinstance(s._where(s["c"]._entry), Contiguous)
+        assert all(isinstance(s._where(s[k]._entry), HDF5Read) for k in "kbm")
+        with pytest.raises(th5.FormatError, match="f.h5: key 'z'.*never written"):
+            s["z"].read()
+        with pytest.raises(th5.FormatError, match="f.h5: key 'x'.*external files"):
+            s["x"].read()

@@ -313,7 +313,7 @@ class ChunkReader:
             valid = self.extent.span(k)[1]
             assert self.extent.hashes is not None
             if checksum.digest(memoryview((ctypes.c_char * valid).from_address(dst)).cast("B")) != self.extent.hashes[k]:
-                raise checksum.ChecksumError(f"checksum mismatch in chunk {k}")
+                raise checksum.ChecksumError(f"chunk {k}")
 
 
 @dataclass

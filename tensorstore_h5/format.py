@@ -637,6 +637,8 @@ def _parse_entry_v2(item: Any, path: str, kind: str, layout: Layout, i: int) -> 
     for flag in ("parameter", "requires_grad"):
         if flag in item and item[flag] is not True:
             raise ValueError(f"{flag} must be true when present")
+    if "requires_grad" in item and not _differentiable(spec):
+        raise ValueError(f"a {spec.name} tensor cannot require grad")
     same_as = item.get("same_as")
     if same_as is not None:
         if item.keys() & {"at", "chunks", "xxh3"}:
@@ -649,6 +651,11 @@ def _parse_entry_v2(item: Any, path: str, kind: str, layout: Layout, i: int) -> 
     extent = _parse_extent(item, shape, spec.itemsize, layout)
     return TensorEntry(path, key, spec, shape, dataset, stride, None, "parameter" in item, "requires_grad" in item,
                        extent=extent)
+
+
+def _differentiable(spec: DtypeSpec) -> bool:
+    """True for dtypes that can require grad (floating point and complex)."""
+    return spec.torch_dtype.is_floating_point or spec.torch_dtype.is_complex
 
 
 def _parse_module_metadata(data: Any) -> dict[str, dict[str, Any]]:
@@ -814,6 +821,8 @@ def _parse_entry_v1(item: dict[str, Any], types: Mapping[str, str], tensors: _Ea
         if not isinstance(param, dict) or type(param.get("requires_grad")) is not bool:
             raise ValueError("invalid parameter field")
         requires_grad = param["requires_grad"]
+        if requires_grad and not _differentiable(spec):
+            raise ValueError(f"a {spec.name} parameter cannot require grad")
     return TensorEntry(path, key, spec, shape, dataset, stride, same_as, "parameter" in item, requires_grad,
                        packed=packed)
 

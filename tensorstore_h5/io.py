@@ -225,7 +225,7 @@ class ReadPlan:
             piece = view[start:start + block]
             job: Callable[[], None] = functools.partial(self._raw.pread, offset + start, piece)
             if hashes is not None:
-                job = functools.partial(_checked, job, piece, hashes[i], i)
+                job = functools.partial(_checked, job, piece, hashes[i], i, start)
             self.add_job(job if wrap is None else wrap(job), len(piece))
 
     def add_job(self, job: Callable[[], None], cost: int) -> None:
@@ -253,10 +253,10 @@ class ReadPlan:
                 f.exception()
 
 
-def _checked(read: Callable[[], None], piece: memoryview, expected: int, index: int) -> None:
+def _checked(read: Callable[[], None], piece: memoryview, expected: int, index: int, start: int) -> None:
     read()
     if checksum.digest(piece) != expected:
-        raise checksum.ChecksumError(f"checksum mismatch in block {index} (bytes {index * len(piece)}+)")
+        raise checksum.ChecksumError(f"block {index}, bytes {start}..{start + len(piece)} of its data")
 
 
 def _run_all(jobs: list[Callable[[], None]]) -> None:

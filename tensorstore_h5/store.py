@@ -34,7 +34,7 @@ from .tree import Leaf
 __all__ = ["Store", "TensorHandle", "open_store", "Device"]
 
 PathLike = Union[str, "os.PathLike[str]"]
-Device = Union[None, str, torch.device, Mapping[str, Any], Callable[[str], Any]]
+Device = Union[None, str, int, torch.device, Mapping[str, Any], Callable[[str], Any]]
 
 _READ_ERRORS = (OSError, EOFError, DecodeError, checksum.ChecksumError, ValueError)
 """What a read of stored bytes raises for a damaged or changed file (re-raised as FormatError)."""
@@ -372,7 +372,7 @@ class Store:
                     view = memoryview(io.tensor_bytes(scratch))[:n] if n <= scratch.numel() else memoryview(bytearray(n))
                     raw.pread(where.offset + i * where.block, view)
                     if checksum.digest(view) != h:
-                        raise checksum.ChecksumError(f"checksum mismatch in block {i}")
+                        raise checksum.ChecksumError(f"block {i}, bytes {i * where.block}..{i * where.block + n} of its data")
             else:
                 reader = ChunkReader(where, self._rawfile().pread, verify=True)
                 dest = bytearray(where.chunk_bytes)
@@ -501,7 +501,9 @@ class Store:
             return self._read_array(entry, verify)
         origin = entry.same_as or entry.path
         t = cache.get(origin)
-        if t is None:
+        if t is not None and (isinstance(t, torch.nn.Parameter), t.requires_grad) != (entry.parameter, entry.requires_grad):
+            t = _flagged(t.detach(), entry)  # the same memory as another key, saved as another kind of tensor
+        elif t is None:
             target = self._target(device, entry.path)
             t = self._mapped(entry, fmap, verify) if fmap is not None and target is None else None
             sel = whole(entry.shape)
@@ -512,10 +514,7 @@ class Store:
                     t = self._restore(t, entry)  # on the device
             elif t is None:  # queued when nothing is done to it after the read
                 t = self._read_tensor(entry, sel, None, restore_layout=True, plan=plan, verify=verify)
-            if entry.parameter:
-                t = torch.nn.Parameter(t, requires_grad=entry.requires_grad)
-            elif entry.requires_grad:
-                t.requires_grad_(True)
+            t = _flagged(t, entry)
             cache[origin] = t
         return t
 
@@ -530,7 +529,7 @@ class Store:
             if isinstance(where, Contiguous):
                 raw.pread(where.offset, view)
                 if verify and where.hashes is not None and checksum.block_hashes(view, where.block) != list(where.hashes):
-                    raise checksum.ChecksumError("checksum mismatch")
+                    raise checksum.ChecksumError("its data")
             elif isinstance(where, Chunked):
                 ChunkReader(where, raw.pread, verify).read(0, view)
             else:
@@ -538,6 +537,16 @@ class Store:
         except (*_READ_ERRORS, *hdf5source.H5_ERRORS) as e:
             raise FormatError(f"{self.path}: key {entry.path!r}: {_why(e)}") from e
         return out
+
+    def _empty(self, entry: TensorEntry, shape: tuple[int, ...]) -> torch.Tensor:
+        """A new CPU tensor for (part of) ``entry``; TensorStoreError naming the key when the
+        memory cannot be had."""
+        try:
+            return io.empty(shape, entry.dtype.torch_dtype)
+        except (OSError, MemoryError, RuntimeError) as e:
+            nbytes = math.prod(shape) * entry.dtype.itemsize
+            raise TensorStoreError(f"{self.path}: key {entry.path!r}: cannot allocate {human_bytes(nbytes)} for "
+                                   f"{list(shape)} {entry.dtype.name} ({e})") from e
 
     def _restore(self, values: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
         assert entry.stride is not None
@@ -559,7 +568,7 @@ class Store:
             if entry.packed is None:
                 io.read_hdf5(where.dsid, entry.dtype.h5_type, dest, sel)
                 return
-            full = io.empty(entry.shape, entry.dtype.torch_dtype)
+            full = self._empty(entry, entry.shape)
             span = select_index(slice(entry.packed, entry.packed + entry.numel), (self._pack_len[entry.dataset],))
             io.read_hdf5(where.dsid, entry.dtype.h5_type, full, span)
         except hdf5source.H5_ERRORS as e:
@@ -602,7 +611,7 @@ class Store:
             t = fmap.tensor(where.offset, entry.nbytes, entry.dtype.torch_dtype, entry.shape)
             if verify and where.hashes is not None and \
                     checksum.block_hashes(io.tensor_bytes(bits_view(t)), where.block) != list(where.hashes):
-                raise checksum.ChecksumError("checksum mismatch")
+                raise checksum.ChecksumError("its data")
         except _READ_ERRORS as e:
             raise FormatError(f"{self.path}: key {entry.path!r}: cannot map the data ({_why(e)})") from e
         return t
@@ -651,7 +660,7 @@ class Store:
                 self._keyed(lambda: self._stager(out.device).copy(out, stage, entry.path, align=align), entry)()
                 return out
         direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
-        dest = out if direct else io.empty(sel.shape, dtype)
+        dest = out if direct else self._empty(entry, sel.shape)
         post = (out is not None and not direct) or (out is None and restore_layout and entry.stride is not None)
         if not sel.empty and where is not None:
             queue = plan if plan is not None and not post else None
@@ -670,7 +679,7 @@ class Store:
                 self._keyed(lambda: fetch(skip, io.tensor_bytes(dest)), entry)()
                 if verify and where.hashes is not None and \
                         checksum.block_hashes(io.tensor_bytes(dest), where.block) != list(where.hashes):
-                    raise FormatError(f"{self.path}: key {entry.path!r}: checksum mismatch")
+                    raise FormatError(f"{self.path}: key {entry.path!r}: {_why(checksum.ChecksumError('its data'))}")
             else:
                 assert isinstance(where, Contiguous)
                 queue.add(where.offset + skip, dest, lambda job: self._keyed(job, entry),
@@ -735,10 +744,19 @@ class Store:
         return f"<tensorstore_h5.Store {self.path!r} ({version}, {len(self)} keys, {n_t} tensors, {human_bytes(self.nbytes)}{state})>"
 
 
+def _flagged(t: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """``t`` as the ``nn.Parameter`` or grad-requiring tensor that ``entry`` was saved as."""
+    if entry.parameter:
+        return torch.nn.Parameter(t, requires_grad=entry.requires_grad)
+    if entry.requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
 def _why(e: BaseException) -> str:
     """The reason of a read failure, for a message that already names the file and key."""
     if isinstance(e, checksum.ChecksumError):
-        return f"stored bytes do not match their checksum ({e}): the file is damaged"
+        return f"stored bytes do not match their checksum ({e}); the file is damaged"
     if isinstance(e, DecodeError):
         return f"a compressed chunk does not decode ({e}): the file is damaged"
     if isinstance(e, EOFError):
@@ -782,7 +800,7 @@ def _data_bytes(entry: Any) -> int:
 
 
 def _device_for(device: Device, path: str) -> Any:
-    if device is None or isinstance(device, (str, torch.device)):
+    if device is None or isinstance(device, (str, torch.device, int)):
         return device
     if callable(device):
         return device(path)

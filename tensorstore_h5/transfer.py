@@ -46,7 +46,8 @@ class Stager:
         buffers = STAGING_BUFFERS if buffers is None else buffers
         buffer_bytes = STAGING_BYTES if buffer_bytes is None else buffer_bytes
         cuda = self.device.type == "cuda"
-        self._bufs = [torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(max(1, buffers))]
+        self._bufs = [torch.empty(buffer_bytes, dtype=torch.uint8, device="cpu", pin_memory=cuda)
+                      for _ in range(max(1, buffers))]
         self._events: list[Any] = [None] * len(self._bufs)
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         self.block_bytes = buffer_bytes
@@ -97,11 +98,14 @@ class Stager:
 
 
 def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Any, key: str) -> torch.Tensor:
-    """``torch.empty`` on ``device``; out of device memory raises TensorStoreError naming ``key``."""
+    """``torch.empty`` on ``device``. Raises TensorStoreError naming ``key`` and the device when
+    it is out of memory or cannot be used (no such device index, a backend not built in)."""
     try:
         return torch.empty(shape, dtype=dtype, device=device)
     except torch.OutOfMemoryError as e:
         raise TensorStoreError(f"out of device memory allocating key {key!r} ({list(shape)} {dtype}) on {device}") from e
+    except (RuntimeError, AssertionError, ValueError) as e:
+        raise TensorStoreError(f"cannot allocate key {key!r} ({list(shape)} {dtype}) on device {str(device)!r} ({e})") from e
 
 
 _kvikio_module: Any = False  # not looked up yet

@@ -72,7 +72,7 @@ def _plain(t: torch.Tensor, path: str) -> torch.Tensor:
         if dispatch is not None and dispatch is not torch.Tensor.__torch_dispatch__:
             raise UnsupportedTypeError(
                 f"tensor at key path {path!r} is a {kind}, a tensor subclass that wraps other data; store its plain "
-                "data instead (for a DTensor, .full_tensor(); or use tensorstore_h5.distributed)"
+                "data instead (for a DTensor, .full_tensor())"
             )
     if t.layout != torch.strided:
         raise UnsupportedTypeError(
@@ -81,7 +81,7 @@ def _plain(t: torch.Tensor, path: str) -> torch.Tensor:
     if t.is_quantized:
         raise UnsupportedTypeError(f"quantized tensor at key path {path!r} cannot be stored; call .dequantize() first")
     if t.is_meta or getattr(t, "is_nested", False):
-        raise UnsupportedTypeError(f"tensor at key path {path!r} has no data (meta or nested tensor)")
+        raise UnsupportedTypeError(f"tensor at key path {path!r} ({kind}) has no data (a meta or nested tensor)")
     if t._is_zerotensor():
         raise UnsupportedTypeError(f"tensor at key path {path!r} is a zero tensor (no storage); store torch.zeros(...) instead")
     spec_for_torch(t.dtype, path)
@@ -384,6 +384,7 @@ class Writer:
         t = value.detach()
         if type(t) is not torch.Tensor:
             t = t.as_subclass(torch.Tensor)
+        alias_key = self._alias_key(t)  # of the tensor itself: resolving conj/neg below makes a temporary copy
         if t.is_conj():
             t = t.resolve_conj()
         if t.is_neg():
@@ -394,7 +395,6 @@ class Writer:
         parameter = isinstance(value, torch.nn.Parameter)
         requires_grad = bool(value.requires_grad)
         dataset = path or fmt.ROOT_DATASET
-        alias_key = self._alias_key(t)
         if alias_key is not None:
             hit = self._aliases.get(alias_key)
             if hit is not None and hit[0]() is not None:
@@ -414,7 +414,8 @@ class Writer:
     def _write_array(self, path: str, key: Any, value: np.ndarray) -> ArrayEntry:
         dataset = path or fmt.ROOT_DATASET
         data = np.ascontiguousarray(value)
-        bits = torch.from_numpy(data.reshape(-1).view(np.uint8)) if data.size else torch.empty(0, dtype=torch.uint8)
+        bits = torch.from_numpy(data.reshape(-1).view(np.uint8)) if data.size else torch.empty(0, dtype=torch.uint8,
+                                                                                                 device="cpu")
         shape = tuple(value.shape)
         _, extent = self._write_data(dataset, h5py.h5t.py_create(value.dtype), shape, bits, value.dtype.itemsize, _dcpl())
         self._progress.update(value.nbytes)
@@ -478,10 +479,14 @@ class Writer:
 
     @staticmethod
     def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+        """What makes two tensors the same view of the same memory with the same values:
+        conjugate and negative views differ from their base, and a tensor changed in place
+        since it was written (its version counter moved) is written again."""
         if t.numel() == 0:
             return None
         storage = t.untyped_storage()
-        return (t.device, storage.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        return (t.device, storage.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+                t.is_conj(), t.is_neg(), t._version)
 
 
 def _dcpl() -> h5py.h5p.PropDCID:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import pytest
@@ -14,6 +15,7 @@ settings.register_profile("dev", max_examples=60, deadline=None,
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 warnings.filterwarnings("ignore", "ComplexHalf support is experimental")
+sys.path.insert(0, os.path.dirname(__file__))  # tests/helpers.py and tests/data for the test folders below
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

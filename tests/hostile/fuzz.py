@@ -1,0 +1,355 @@
+"""A mutation fuzzer for tensorstore_h5's readers.
+
+Small valid format-2 files (plain, lz4, zstd) are mutated (byte flips anywhere, truncations,
+appended bytes, flips inside compressed chunks, and JSON edits of the layout with the header's
+hashes recomputed, which reach the parser past its checksums) and read by a worker process
+through every public read path (tests/hostile/hostile_files.py: load, load(mmap),
+load(verify), items, slices, load_into, device=, convert) and the CLI (ls, info, verify).
+
+The worker runs under an address-space limit of its own size plus 1 GiB, and each case has a
+time limit: a crash, a hang or an allocation beyond that is a finding, as is any read that
+raises something other than a TensorStoreError naming the file, returns bytes that a canary
+planted in freed heap memory shows were never filled, or returns tensor bytes that neither
+equal what was saved nor (unchecked reads) the file's own bytes where the layout says.
+
+    python tests/hostile/fuzz.py run --seconds 3600 --out findings/   # a release run
+    python tests/hostile/fuzz.py check FILE...                        # re-run saved findings
+
+CI runs it for TH5_FUZZ_SECONDS (default 60) through tests/hostile/test_fuzz.py; every file
+it ever found is kept in tests/hostile/regressions/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io as stdio
+import json
+import os
+import random
+import resource
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+CANARY = bytes.fromhex("c0ffee11deadbeef5a5aa5a5f00dcafe")
+CASE_SECONDS = 20.0
+SEED_NAMES = ("plain", "lz4", "zstd")
+
+
+def _setup_path() -> None:
+    sys.path.insert(0, str(HERE.parent))
+
+
+# ---------------------------------------------------------------------------- seeds and mutations
+
+
+def seed_object(kind: str) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    g = torch.Generator().manual_seed(len(kind))
+    smooth = torch.randn(200, 24, generator=g) * 0.02
+    obj: dict[str, Any] = {"w": torch.randn(12, 10, generator=g), "t": torch.randn(6, 5, generator=g).t(),
+                           "b": torch.zeros(5, dtype=torch.bfloat16), "s": torch.tensor(7), "e": torch.empty(0, 2),
+                           "x": torch.arange(3.0).expand(2, 3), "n": {"k": [1, "a", None]}, "a": np.arange(5, dtype="<i2")}
+    if kind != "plain":
+        obj["c"] = smooth.to(torch.bfloat16) if kind == "zstd" else smooth
+    return obj
+
+
+def make_seeds(d: Path) -> dict[str, Path]:
+    import tensorstore_h5 as th5
+
+    out = {}
+    for kind in SEED_NAMES:
+        path = d / f"seed-{kind}.h5"
+        th5.save(seed_object(kind), path, compression=(lambda k, t, kind=kind: kind if k == "c" else None), chunk_bytes=4096)
+        out[kind] = path
+    return out
+
+
+def _layout_range(data: bytes) -> tuple[int, int] | None:
+    import struct
+
+    if len(data) < 64 or data[:8] != b"\x89TSH5\r\n\x1a":
+        return None
+    offset, length = struct.unpack_from("<QQ", data, 24)
+    return (offset, length) if offset + length <= len(data) else None
+
+
+def _rehash(data: bytearray, text: bytes) -> bytes:
+    """``data`` with ``text`` appended as its layout, under a valid header."""
+    from tensorstore_h5 import checksum
+    from tensorstore_h5 import format as fmt
+
+    out = bytearray(data)
+    start = len(out)
+    out += text
+    out[:64] = fmt.pack_header(fmt.Header(2, len(out), start, len(text), checksum.digest(text)))
+    return bytes(out)
+
+
+def _chunks(text: bytes) -> list[tuple[int, int]]:
+    """``(offset, size)`` of every stored chunk a layout text names."""
+    out = []
+    for line in text.split(b"\n")[1:]:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        for c in entry.get("chunks", {}).get("at", []) if isinstance(entry, dict) else []:
+            out.append((c[0], c[1]))
+    return out
+
+
+_JSON_EDITS = [b"0", b"1", b"-1", b"4096", b"2147483648", b"1e400", b"[]", b"{}", b"null", b"true", b'"x"',
+               b'"%2F"', b"[1,2]", b"99999999999999999999", b"64", b"[[4096,16]]", b'"float8_e4m3fn"', b"[0,1]"]
+
+
+def mutate(data: bytes, rng: random.Random) -> tuple[str, bytes]:
+    """One mutation of a seed file: ``(mode, new bytes)``."""
+    mode = rng.choice(["flip", "flip", "truncate", "append", "chunk", "layout", "layout", "layout"])
+    out = bytearray(data)
+    span = _layout_range(data)
+    if mode == "truncate":
+        return mode, bytes(out[:rng.randrange(len(out))])
+    if mode == "append":
+        return mode, bytes(out + bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))))
+    if mode == "layout" and span is not None:
+        text = bytearray(out[span[0]:span[0] + span[1]])
+        for _ in range(rng.randrange(1, 4)):
+            if rng.random() < 0.5:  # replace a JSON token-ish run by another value
+                i = rng.randrange(len(text))
+                j = min(len(text), i + rng.randrange(1, 12))
+                text[i:j] = rng.choice(_JSON_EDITS)
+            else:
+                text[rng.randrange(len(text))] = rng.randrange(32, 127)
+        return mode, _rehash(out, bytes(text))
+    if mode == "chunk" and span is not None:
+        chunks = _chunks(bytes(out[span[0]:span[0] + span[1]]))
+        if chunks:  # the first bytes of a chunk hold its framing: hit them most
+            off, size = rng.choice(chunks)
+            for _ in range(rng.randrange(1, 5)):
+                i = off + (rng.randrange(min(size, 64)) if rng.random() < 0.6 else rng.randrange(size))
+                if rng.random() < 0.5:
+                    out[i] ^= 1 << rng.randrange(8)
+                else:
+                    out[i] = rng.choice([0, 0xFF, 0x7F, 0x80, rng.randrange(256)])
+            return mode, bytes(out)
+    for _ in range(rng.randrange(1, 9)):
+        i = rng.randrange(len(out)) if rng.random() < 0.7 else rng.randrange(min(len(out), 128))
+        out[i] ^= 1 << rng.randrange(8)
+    return "flip", bytes(out)
+
+
+# ---------------------------------------------------------------------------- the worker
+
+
+def _plant_canary() -> None:
+    """Fill freed heap memory with the canary, so memory handed out unfilled shows it."""
+    import ctypes
+
+    blocks = [ctypes.create_string_buffer(CANARY * (n // 16)) for n in (64, 256, 1024, 4096, 65536, 262144) for _ in range(8)]
+    del blocks
+
+
+def check(path: Path, original: Any, rewritten: bool = False) -> list[str]:
+    """Every read path and CLI command on ``path`` (saved from ``original``); the list of
+    property violations. When the layout itself was ``rewritten``, a returned tensor must hold
+    the file's bytes from where that layout says, checked or not."""
+    import torch
+
+    import tensorstore_h5 as th5
+    from tensorstore_h5 import cli
+
+    from helpers import bits
+    from hostile.hostile_files import CHECKED, READ_PATHS, expected_part, read_layout
+
+    problems = []
+    try:
+        head, entries = read_layout(path)
+        layout = {p: e for p, e in zip(head["paths"], entries)}
+    except Exception:  # noqa: BLE001 - a mutated layout: no file-byte oracle
+        layout = {}
+    data = path.read_bytes()
+    rewritten = rewritten or original is None
+    for name, read in READ_PATHS.items():
+        if original is None and name == "load_into":
+            continue  # its targets are made from what was saved
+        _plant_canary()
+        try:
+            got = read(path, original)
+        except th5.TensorStoreError as e:
+            if path.name not in str(e):
+                problems.append(f"{name}: error without the file name: {e}")
+            continue
+        except Exception as e:  # noqa: BLE001 - the finding
+            problems.append(f"{name}: {type(e).__name__}: {e}")
+            continue
+        try:
+            ref = {} if rewritten else expected_part(original, {k: v for k, v in got.items()}, name)
+        except (KeyError, TypeError, IndexError, AttributeError):
+            ref = {}
+        for key, value in got.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            raw = bytes(bits(value.detach().contiguous()).numpy())
+            if CANARY[:8] in raw:
+                problems.append(f"{name}: {key}: holds memory that no read filled (canary)")
+                continue
+            expected = ref.get(key)
+            same = isinstance(expected, torch.Tensor) and expected.shape == value.shape and \
+                expected.dtype == value.dtype and raw == bytes(bits(expected.contiguous()).numpy())
+            if same:
+                continue
+            if name in CHECKED and not rewritten:
+                problems.append(f"{name}: {key}: checked read returned bytes that were not saved")
+                continue
+            e = layout.get(key, {})
+            if "at" in e and raw != data[e["at"]:e["at"] + len(raw)]:
+                problems.append(f"{name}: {key}: bytes neither saved nor the file's at {e['at']}")
+    for command in (["ls"], ["info"], ["verify"]):
+        out, err = stdio.StringIO(), stdio.StringIO()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                status = cli.main([*command, str(path)])
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"cli {command[0]}: {type(e).__name__}: {e}")
+            continue
+        if status not in (0, 1) or status == 1 and path.name not in err.getvalue():
+            problems.append(f"cli {command[0]}: status {status}: {err.getvalue()[-300:]}")
+    return problems
+
+
+def worker() -> None:
+    """Read case lines ``{"path": ..., "seed": ...}`` from stdin; write one JSON result line each."""
+    _setup_path()
+    import torch  # noqa: F401 - imported before the limit: its mappings count once
+
+    import tensorstore_h5  # noqa: F401
+
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + 2**30, resource.RLIM_INFINITY))
+    originals = {kind: seed_object(kind) for kind in SEED_NAMES}
+    for line in sys.stdin:
+        case = json.loads(line)
+        problems = check(Path(case["path"]), originals.get(case["seed"]), case.get("mode") == "layout")
+        sys.stdout.write(json.dumps({"problems": problems}) + "\n")
+        sys.stdout.flush()
+
+
+class Worker:
+    """A worker process, restarted after it dies or hangs."""
+
+    STARTUP = 60.0
+    """Extra seconds for a new worker's first answer (it imports torch first)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[str] | None = None
+        self.warm = False
+
+    def start(self) -> subprocess.Popen[str]:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, str(HERE / "fuzz.py"), "worker"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True, bufsize=1)
+            self.warm = False
+        return self.proc
+
+    def run(self, path: Path, seed: str, mode: str, timeout: float = CASE_SECONDS) -> list[str]:
+        proc = self.start()
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps({"path": str(path), "seed": seed, "mode": mode}) + "\n")
+        proc.stdin.flush()
+        ready, _, _ = select.select([proc.stdout], [], [], timeout + (0 if self.warm else self.STARTUP))
+        if not ready:
+            self.stop()
+            return [f"hang: no answer in {timeout:.0f} s"]
+        line = proc.stdout.readline()
+        if not line:
+            code = proc.wait()
+            self.stop()
+            return [f"crash: the worker died (exit status {code})"]
+        self.warm = True
+        return json.loads(line)["problems"]
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+            self.proc = None
+
+
+def run(seconds: float, out: Path, seed: int) -> list[tuple[str, list[str]]]:
+    """Fuzz for ``seconds``; findings are copied to ``out``. Returns (file, problems) of each."""
+    _setup_path()
+    rng = random.Random(seed)
+    findings: list[tuple[str, list[str]]] = []
+    out.mkdir(parents=True, exist_ok=True)
+    w = Worker()
+    with tempfile.TemporaryDirectory() as tmp:
+        seeds = {k: p.read_bytes() for k, p in make_seeds(Path(tmp)).items()}
+        case = Path(tmp) / "case.h5"
+        n = 0
+        end = time.monotonic() + seconds
+        try:
+            while time.monotonic() < end:
+                kind = rng.choice(SEED_NAMES)
+                mode, data = mutate(seeds[kind], rng)
+                case.write_bytes(data)
+                problems = w.run(case, kind, mode)
+                n += 1
+                if problems:
+                    name = f"{kind}-{mode}-{seed}-{n}.h5"
+                    shutil.copy(case, out / name)
+                    findings.append((name, problems))
+        finally:
+            w.stop()
+    print(f"fuzz: {n} cases in {seconds:.0f} s (seed {seed}), {len(findings)} findings in {out}")
+    return findings
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--seconds", type=float, default=60)
+    r.add_argument("--out", type=Path, default=Path("fuzz-findings"))
+    r.add_argument("--seed", type=int, default=int(time.time()))
+    c = sub.add_parser("check")
+    c.add_argument("files", nargs="+", type=Path)
+    sub.add_parser("worker")
+    args = p.parse_args(argv)
+    if args.cmd == "worker":
+        worker()
+        return 0
+    if args.cmd == "run":
+        findings = run(args.seconds, args.out, args.seed)
+        for name, problems in findings:
+            print(name, *problems, sep="\n  ")
+        return 1 if findings else 0
+    w = Worker()
+    bad = 0
+    try:
+        for f in args.files:
+            seed, mode = (f.name.split("-") + ["", ""])[:2]
+            problems = w.run(f, seed, mode)
+            bad += bool(problems)
+            print(f, "ok" if not problems else "", *problems, sep="\n  ")
+    finally:
+        w.stop()
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -216,8 +216,9 @@ def load_into(
             problems += _problem("unexpected keys", [repr(k) for k in unexpected])
         problems += _problem("shapes differ", shapes) + _problem("not tensors in the file", not_tensor)
         problems += _problem("dtypes differ (strict_dtype)", dtypes)
-        problems += _problem("targets on the meta device have no memory to fill; pass assign=True to materialise them "
-                             "from the file", meta)
+        if meta:
+            problems.append(f"targets on the meta device (no memory to fill): {_few(meta)}; pass assign=True to "
+                            "materialise them from the file")
         fill, overlap = _alias_groups(targets, order) if not assign else (order, [])
         problems += overlap[:NAMED_KEYS]
         if problems:

@@ -563,9 +563,12 @@ def _replace(tmp: str, path: str, replaced: _Replaced, sync: bool) -> None:
 
 
 def _discard(f: h5py.File | None, tmp: str, fd: int, replaced: _Replaced) -> None:
+    """Close and remove an abandoned temporary (errors closing it do not matter: it is gone)."""
     try:
         if f is not None:
             f.close()
+    except (OSError, RuntimeError, ValueError):
+        pass
     finally:
         replaced.close()
         try:

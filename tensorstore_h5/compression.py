@@ -103,7 +103,7 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> tupl
 
 @dataclass(frozen=True)
 class Policy:
-    """What the writer asks for each tensor: its dataset creation property list."""
+    """What the writer asks for each tensor: the creation properties of its compressed dataset."""
 
     choice: Compression
     chunk_bytes: int
@@ -114,14 +114,16 @@ class Policy:
             choice = choice(path, t)
         return _filter(choice)
 
-    def dcpl(self, path: str, t: torch.Tensor, spec: DtypeSpec) -> h5py.h5p.PropDCID:
-        """The creation properties of the dataset for tensor ``t`` at ``path``."""
-        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    def dcpl(self, path: str, t: torch.Tensor, spec: DtypeSpec) -> h5py.h5p.PropDCID | None:
+        """The creation properties of the compressed dataset for tensor ``t`` at ``path``, or
+        None when it is stored contiguous and uncompressed."""
         filt = self.filter_for(path, t) if self.choice is not None else None
         nbytes = t.numel() * spec.itemsize
         if filt is None or t.dim() == 0 or nbytes < MIN_COMPRESS_BYTES:
-            return dcpl
+            return None
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+        dcpl.set_obj_track_times(False)
         if not h5py.h5z.filter_avail(filt.filter_id):
             raise ValueError(f"HDF5 filter {filt.filter_id} for key path {path!r} is not available; import hdf5plugin")
         dcpl.set_chunk(chunk_shape(tuple(t.shape), spec.itemsize, self.chunk_bytes))

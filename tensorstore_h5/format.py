@@ -555,6 +555,8 @@ def write_root_attrs(f: h5py.File) -> None:
 def write_dataset_attrs(dsid: h5py.h5d.DatasetID, entry: TensorEntry) -> None:
     """The per-dataset attributes that let plain HDF5 readers interpret a tensor: its torch
     dtype where the HDF5 type does not name it, and its stride where it has one."""
+    if entry.dtype.storage == "native" and entry.stride is None:
+        return
     ds = h5py.Dataset(dsid)
     if entry.dtype.storage != "native":
         ds.attrs.create(ATTR_TORCH_DTYPE, np.bytes_(entry.dtype.name))

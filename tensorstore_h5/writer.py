@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import glob
+import math
 import os
 import stat
 import threading
@@ -244,6 +245,8 @@ class Writer:
         self._index: dict[str, Entry] = {"": self._entries[0]}
         self._aliases: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], str]] = {}
         self._lcpl = _lcpl()
+        self._plain = _dcpl()
+        self._spaces: dict[tuple[int, ...], Any] = {}
         self._progress = Progress(progress, desc=f"saving {os.path.basename(self.path)}")
 
     # -- public --------------------------------------------------------------------------
@@ -405,7 +408,7 @@ class Writer:
                                    extent=orig.extent)
             self._aliases[alias_key] = (weakref.ref(value), path)
         entry = TensorEntry(path, key, spec, shape, dataset, stride, None, parameter, requires_grad)
-        dcpl = self._compression.dcpl(path, t, spec)
+        dcpl = self._compression.dcpl(path, t, spec) or self._plain
         dsid, extent = self._write_data(dataset, spec.h5_type, shape, t, spec.itemsize, dcpl)
         fmt.write_dataset_attrs(dsid, entry)
         self._progress.update(entry.nbytes)
@@ -417,7 +420,8 @@ class Writer:
         bits = torch.from_numpy(data.reshape(-1).view(np.uint8)) if data.size else torch.empty(0, dtype=torch.uint8,
                                                                                                  device="cpu")
         shape = tuple(value.shape)
-        _, extent = self._write_data(dataset, h5py.h5t.py_create(value.dtype), shape, bits, value.dtype.itemsize, _dcpl())
+        _, extent = self._write_data(dataset, h5py.h5t.py_create(value.dtype), shape, bits, value.dtype.itemsize,
+                                     self._plain)
         self._progress.update(value.nbytes)
         return ArrayEntry(path, key, value.dtype, shape, dataset, extent)
 
@@ -428,36 +432,40 @@ class Writer:
         hashes (None when it has none)."""
         assert self._file is not None
         nbytes = t.numel() * t.element_size()
-        space = h5py.h5s.create(h5py.h5s.SCALAR) if not shape else h5py.h5s.create_simple(shape)
-        dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
-        dapl.set_chunk_cache(0, 0, 1.0)  # chunks go to the file as they are written: their offsets are final
+        space = self._space(shape)
+        chunked = dcpl.get_layout() == h5py.h5d.CHUNKED
+        dapl = None
+        if chunked:
+            dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
+            dapl.set_chunk_cache(0, 0, 1.0)  # chunks go to the file as they are written: their offsets are final
         dsid = h5py.h5d.create(self._file.id, dataset.encode("utf-8"), h5type, space, dcpl=dcpl, lcpl=self._lcpl,
                                dapl=dapl)
         if nbytes == 0:
             return dsid, None
         self._replaced.release(nbytes)
-        chunked = dcpl.get_layout() == h5py.h5d.CHUNKED
-        extent: fmt.Extent
-        if chunked:
-            chunk = tuple(int(c) for c in dcpl.get_chunk())
-            probe = Chunked(shape, itemsize, chunk, fmt.BLOSC2_ID, (), ())  # geometry only
-            ends, acc = [], 0
-            grid = 1
-            for n, c in zip(shape, chunk):
-                grid *= -(-n // c)
-            for k in range(grid):
-                acc += probe.span(k)[1]
-                ends.append(acc)
-            hasher = checksum.BlockHasher(ends)
-        else:
-            hasher = checksum.BlockHasher(checksum.block_ends(nbytes, checksum.HASH_BLOCK))
-        io.write_tensor(dsid, h5type, t, on_bytes=hasher.update)
-        hashes = tuple(hasher.finish())
         if not chunked:
+            if t.device.type == "cpu" and t.is_contiguous():  # the common case, in one write from its memory
+                data = io.tensor_bytes(t)
+                dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, data, mtype=h5type)
+                hashes = tuple(checksum.block_hashes(data, checksum.HASH_BLOCK))
+            else:
+                hasher = checksum.BlockHasher(checksum.block_ends(nbytes, checksum.HASH_BLOCK))
+                io.write_tensor(dsid, h5type, t, on_bytes=hasher.update)
+                hashes = tuple(hasher.finish())
             offset = dsid.get_offset()
             if offset is None:
                 raise OSError("HDF5 did not allocate the dataset's data")
             return dsid, Contiguous(offset, nbytes, hashes)
+        chunk = tuple(int(c) for c in dcpl.get_chunk())
+        probe = Chunked(shape, itemsize, chunk, fmt.BLOSC2_ID, (), ())  # geometry only
+        ends, acc = [], 0
+        grid = math.prod(-(-n // c) for n, c in zip(shape, chunk))
+        for k in range(grid):
+            acc += probe.span(k)[1]
+            ends.append(acc)
+        hasher = checksum.BlockHasher(ends)
+        io.write_tensor(dsid, h5type, t, on_bytes=hasher.update)
+        hashes = tuple(hasher.finish())
         dsid.flush()
         code, _flags, values, _name = dcpl.get_filter(0)
         found: dict[int, tuple[int, int, bool]] = {}
@@ -476,6 +484,15 @@ class Writer:
                          tuple(found[k] for k in sorted(found)), hashes)
         fmt.check_chunked(extent, None)
         return dsid, extent
+
+    def _space(self, shape: tuple[int, ...]) -> Any:
+        """The HDF5 dataspace of ``shape`` (made once per shape: small tensors repeat shapes)."""
+        space = self._spaces.get(shape)
+        if space is None:
+            space = h5py.h5s.create(h5py.h5s.SCALAR) if not shape else h5py.h5s.create_simple(shape)
+            if len(self._spaces) < 1024:
+                self._spaces[shape] = space
+        return space
 
     @staticmethod
     def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:

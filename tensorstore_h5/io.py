@@ -313,12 +313,14 @@ def read_hdf5(dsid: h5py.h5d.DatasetID, mtype: h5py.h5t.TypeID, out: torch.Tenso
     dsid.read(mspace, fspace, tensor_bytes(out), mtype=mtype)
 
 
-def write_hdf5(dsid: h5py.h5d.DatasetID, mtype: h5py.h5t.TypeID, src: torch.Tensor, sel: Selection | None = None) -> None:
-    """Write ``src`` (contiguous, CPU) into the selection (all of the dataset by default)."""
-    if src.numel() == 0:
-        return
-    mspace, fspace = _spaces(sel, dsid)
-    dsid.write(mspace, fspace, tensor_bytes(src), mtype=mtype)
+def write_hdf5(dsid: h5py.h5d.DatasetID, mtype: h5py.h5t.TypeID, src: torch.Tensor, sel: Selection | None = None) -> np.ndarray:
+    """Write ``src`` (contiguous, CPU) into the selection (all of the dataset by default);
+    returns the bytes written (a uint8 view of ``src``)."""
+    data = tensor_bytes(src)
+    if src.numel():
+        mspace, fspace = _spaces(sel, dsid)
+        dsid.write(mspace, fspace, data, mtype=mtype)
+    return data
 
 
 def row_blocks(shape: tuple[int, ...], itemsize: int, block_bytes: int = BLOCK_BYTES) -> Iterator[tuple[int, int]]:
@@ -344,18 +346,17 @@ def write_tensor(dsid: h5py.h5d.DatasetID, mtype: h5py.h5t.TypeID, t: torch.Tens
     if t.numel() == 0:
         return
     if t.device.type == "cpu" and t.is_contiguous():
-        write_hdf5(dsid, mtype, t)
+        data = write_hdf5(dsid, mtype, t)
         if on_bytes is not None:
-            on_bytes(tensor_bytes(t))
+            on_bytes(data)
         return
     bits = bits_view(t)
     shape = tuple(t.shape)
     for first, stop in row_blocks(shape, t.element_size(), block_bytes or BLOCK_BYTES):
         block = bits[first:stop] if shape else bits
-        block = block.contiguous().cpu()
-        write_hdf5(dsid, mtype, block, rows(shape, first, stop) if shape else None)
+        data = write_hdf5(dsid, mtype, block.contiguous().cpu(), rows(shape, first, stop) if shape else None)
         if on_bytes is not None:
-            on_bytes(tensor_bytes(block))
+            on_bytes(data)
 
 
 def restore_layout(values: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:

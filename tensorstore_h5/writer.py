@@ -445,9 +445,7 @@ class Writer:
         self._replaced.release(nbytes)
         if not chunked:
             if t.device.type == "cpu" and t.is_contiguous():  # the common case, in one write from its memory
-                data = io.tensor_bytes(t)
-                dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, data, mtype=h5type)
-                hashes = tuple(checksum.block_hashes(data, checksum.HASH_BLOCK))
+                hashes = tuple(checksum.block_hashes(io.write_hdf5(dsid, h5type, t), checksum.HASH_BLOCK))
             else:
                 hasher = checksum.BlockHasher(checksum.block_ends(nbytes, checksum.HASH_BLOCK))
                 io.write_tensor(dsid, h5type, t, on_bytes=hasher.update)

@@ -144,29 +144,39 @@ def sweep_partials(path: PathLike) -> list[str]:
     return removed
 
 
-def _create_partial(path: str) -> tuple[str, int]:
-    """A new temporary beside ``path``, created and locked: ``(name, descriptor)``."""
+def _create_partial(path: str) -> tuple[str, int, h5py.File]:
+    """A new temporary beside ``path``, created by HDF5 and locked: ``(name, descriptor, file)``.
+
+    HDF5 creates the file itself: handing it an existing (even empty) file to truncate makes
+    ext4 flush the whole file when HDF5 closes it (its auto_da_alloc heuristic for files
+    replaced by truncation: 0.5 s for 2 GB here). A sweep may remove the new file before it
+    is locked; then another name is tried.
+    """
     head, name = os.path.split(os.path.abspath(path))
     if not os.path.isdir(head):
         raise FileNotFoundError(f"{path}: the directory {head!r} does not exist")
     for _ in range(5):
         tmp = os.path.join(head, f".{name}.{uuid.uuid4().hex}.partial")
         try:
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+            f = _h5_create(tmp)
         except PermissionError as e:
             raise PermissionError(f"{path}: cannot create a file in {head!r} (permission denied); nothing was written") from e
         except OSError as e:
-            if e.errno == errno.EROFS:
+            if e.errno == errno.EROFS or "Read-only file system" in str(e):
                 raise PermissionError(f"{path}: {head!r} is on a read-only file system; nothing was written") from e
+            if e.errno in (errno.EACCES, errno.EPERM) or "Permission denied" in str(e):
+                raise PermissionError(f"{path}: cannot create a file in {head!r} (permission denied); nothing was written") from e
             raise
-        fcntl.flock(fd, fcntl.LOCK_EX)  # blocks only while a sweep looks at it
         try:
+            fd = os.open(tmp, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+            fcntl.flock(fd, fcntl.LOCK_EX)  # blocks only while a sweep looks at it
             if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
-                return tmp, fd
+                return tmp, fd, f
+            os.close(fd)
         except FileNotFoundError:
             pass
-        os.close(fd)  # swept between creation and lock: take another name
-    raise TensorStoreError(f"{path}: could not create a temporary file beside it")
+        f.close()  # swept between creation and lock: take another name
+    raise WriteError(f"{path}: could not create a temporary file beside it")
 
 
 def _h5_create(tmp: str) -> h5py.File:
@@ -180,7 +190,7 @@ def _h5_create(tmp: str) -> h5py.File:
     fapl.set_alignment(1, fmt.ALIGNMENT)
     fapl.set_file_locking(False, True)
     fapl.set_fclose_degree(h5py.h5f.CLOSE_STRONG)
-    return h5py.File(h5py.h5f.create(tmp.encode(), h5py.h5f.ACC_TRUNC, fcpl=fcpl, fapl=fapl))
+    return h5py.File(h5py.h5f.create(tmp.encode(), h5py.h5f.ACC_EXCL, fcpl=fcpl, fapl=fapl))
 
 
 class Writer:
@@ -231,15 +241,14 @@ class Writer:
         fmt.check_metadata(self._metadata)
         self._sync = sync
         sweep_partials(self.path)
-        self._tmp, self._fd = _create_partial(self.path)
-        self._replaced = _Replaced(self.path)
         try:
-            self._file: h5py.File | None = _h5_create(self._tmp)
-        except BaseException as e:
-            _discard(None, self._tmp, self._fd, self._replaced)
-            if isinstance(e, OSError):
-                raise self._failed("", e) from e
+            self._tmp, self._fd, file = _create_partial(self.path)
+        except (PermissionError, FileNotFoundError, WriteError):
             raise
+        except OSError as e:
+            raise self._failed("", e) from e
+        self._file: h5py.File | None = file
+        self._replaced = _Replaced(self.path)
         self._finalizer = weakref.finalize(self, _discard, self._file, self._tmp, self._fd, self._replaced)
         self._entries: list[Entry] = [Container("", None, "dict")]
         self._index: dict[str, Entry] = {"": self._entries[0]}

@@ -384,7 +384,12 @@ class Layout:
     @property
     def entries(self) -> list[Entry]:
         """Every entry in saved (pre-order) order, root first."""
-        missing = [i for i, e in enumerate(self._parsed) if e is None]
+        return self.select(None)
+
+    def select(self, paths: set[str] | None) -> list[Entry]:
+        """The entries at ``paths`` (all when None), in saved order; only those are parsed."""
+        wanted = range(len(self._parsed)) if paths is None else sorted(self._index[p] for p in paths if p in self._index)
+        missing = [i for i in wanted if self._parsed[i] is None]
         if self._lines is not None and len(missing) > 16:  # one json.loads for all of them
             try:
                 bulk = json.loads(b"[" + b",".join(self._lines[i] for i in missing) + b"]")
@@ -392,7 +397,7 @@ class Layout:
                 raise FormatError(f"{self.file}: damaged layout (not valid JSON): {e}") from e
             for i, raw in zip(missing, bulk):
                 self._parse(i, raw)
-        return [self._parse(i) for i in range(len(self._parsed))]
+        return [self._parse(i) for i in wanted]
 
     @property
     def leaves(self) -> list[Leaf]:

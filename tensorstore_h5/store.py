@@ -288,8 +288,8 @@ class Store:
         included = resolve(select, self._leaf_paths, self._container_paths, self.path)
         alive: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
         fmap = io.FileMap(self._rawfile(), whole=False) if mmap else None  # each tensor unmapped when dropped
-        for entry in self._layout.leaves:
-            if entry.path in included:
+        for entry in self._layout.select(included):
+            if not isinstance(entry, Container):
                 yield entry.path, self._read_leaf(entry, alive, device, fmap, None, verify)
 
     def selected_keys(self, select: Selector = None) -> list[str]:
@@ -322,11 +322,9 @@ class Store:
         cache: dict[str, torch.Tensor] = {}
         items: list[Container | Leaf] = []
         fmap = io.FileMap(self._rawfile()) if mmap else None
-        entries = self._layout.entries
-        with self._batched(progress, sum(_data_bytes(e) for e in entries if e.path in included)) as (bar, plan):
+        entries = self._layout.select(included)
+        with self._batched(progress, sum(_data_bytes(e) for e in entries)) as (bar, plan):
             for entry in entries:
-                if entry.path not in included:
-                    continue
                 if isinstance(entry, Container):
                     items.append(entry)
                 else:

@@ -1,0 +1,65 @@
+"""The benchmark's parts that do not need a quiet machine: skipped peers, opt-in groups, ratios."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorstore_h5 import bench
+
+
+def test_a_contender_that_cannot_run_is_listed_as_skipped(tmp_path, monkeypatch) -> None:
+    def missing(ctx):
+        bench._peer("no_such_peer_module", "no-such-peer")
+
+    monkeypatch.setitem(bench.CONTENDERS, "R.no such peer", ("read", missing))
+    out = bench.worker("R.no such peer", bench.Ctx(str(tmp_path), 1000, 4))
+    assert out == {"name": "R.no such peer", "skip": "no_such_peer_module is not installed (pip install no-such-peer)"}
+
+
+def test_cold_and_gpu_groups_are_opt_in() -> None:
+    assert all(n.startswith("C.") and n in bench.CONTENDERS for n in bench.COLD_ORDER)
+    assert not any(n.startswith(("C.", "G.")) for n in bench.ORDER)
+    assert all(bench.CONTENDERS[n][0] == "cold" for n in bench.COLD_ORDER)
+
+
+def test_cold_contenders_skip_without_root(tmp_path, monkeypatch) -> None:
+    import builtins
+
+    real = builtins.open
+
+    def no_root(path, *a, **k):
+        if str(path) == "/proc/sys/vm/drop_caches":
+            raise PermissionError(13, "Permission denied")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", no_root)
+    (tmp_path / "ckpt.h5").write_bytes(b"x" * 100)
+    out = bench.worker("C.L.buffered reads of the file, 2 threads (cold)", bench.Ctx(str(tmp_path), 1000, 4))
+    assert "skip" in out and "run as root" in out["skip"]
+
+
+def _row(name: str, best: float, median: float | None = None, nbytes: int = 10**9) -> dict:
+    return {"name": name, "best_s": best, "median_s": median or best, "bytes": nbytes, "peak_mib": 0}
+
+
+def test_new_ratios_are_printed_with_their_targets() -> None:
+    rows = [_row("R.tensorstore_h5 load", 1.0), _row("R.tensorstore_h5 load(verify=True)", 1.1),
+            _row("R.tensorizer TensorDeserializer", 2.0), _row("W.torch.save", 4.0),
+            _row("W.tensorstore_h5 save_async: the caller's stall", 0.8), _row("C.tensorstore_h5 load (cold)", 2.0),
+            _row("C.torch.load(mmap) + touch (cold)", 2.5), _row("C.safetensors load_file + touch (cold)", 1.6),
+            _row("C.L.O_DIRECT reads of the file, 2 threads (cold)", 1.8)]
+    lines: list[str] = []
+    bench._ratios(rows, lines.append)
+    text = "\n".join(lines)
+    assert "load vs tensorizer (>= 1)" in text and " 2.00" in text
+    assert "time: load(verify=True) / load (the cost of checking)" in text and " 1.10" in text
+    assert "time: save_async stall / torch.save (<= 0.3)" in text and " 0.20" in text
+    assert "cold load vs the best cold peer (safetensors load_file + touch (cold); >= 1)" in text and " 0.80" in text
+    assert "cold load / O_DIRECT disk limit (>= 0.9)" in text and " 0.90" in text
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_the_disk_limit_reads_every_byte(tmp_path, direct) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(256)) * 4096 * 5)  # 5 MiB: a partial last piece
+    assert bench._read_file(str(path), direct, threads=2, piece=2 << 20) == 5 * 2**20

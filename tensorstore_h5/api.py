@@ -23,8 +23,8 @@ NAMED_KEYS = 5
 """Error messages name at most this many keys, then say how many more."""
 
 
-def load(path: PathLike, *, select: Selector = None, device: Device = None, progress: bool | None = None,
-         mmap: bool = False, verify: bool = False) -> Any:
+def load(path: Any, *, select: Selector = None, device: Device = None, progress: bool | None = None,
+         mmap: bool = False, verify: bool = False, storage_options: dict[str, Any] | None = None) -> Any:
     """Load a file (or the selected part of it) back into its saved nesting.
 
     Example::
@@ -34,7 +34,8 @@ def load(path: PathLike, *, select: Selector = None, device: Device = None, prog
         model.load_state_dict(th5.load("ckpt.h5")["model"])   # module versions (_metadata) kept
 
     Args:
-        path: the file.
+        path: the file: a local path, an fsspec URL (``https://``, ``s3://``; only the
+            selected bytes and the layout are fetched) or a readable, seekable binary file object.
         select: None (everything), a glob on key paths, a list of exact keys or globs, or a
             callable ``key_path -> bool``. Exact keys may name a container (its whole subtree).
         device: None (CPU), a device, or a mapping (key path or glob -> device) or callable.
@@ -43,13 +44,14 @@ def load(path: PathLike, *, select: Selector = None, device: Device = None, prog
         mmap: tensors backed by the file's pages (copy-on-write) where the data allow, see
             :meth:`Store.load`.
         verify: check every stored checksum (see :meth:`Store.load`).
+        storage_options: for a URL, passed to fsspec (credentials, endpoint, ...).
 
     Raises:
         KeyNotFoundError: an exact key in ``select`` is not in the file (a KeyError).
         FormatError: the file is not readable as a checkpoint, or a checksum does not match.
         TensorStoreError: a device that does not exist here.
     """
-    with Store(path) as store:
+    with Store(path, storage_options=storage_options) as store:
         return store.load(select=select, device=device, progress=progress, mmap=mmap, verify=verify)
 
 
@@ -137,6 +139,7 @@ def load_into(
     strict_dtype: bool = False,
     progress: bool | None = None,
     verify: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> LoadResult:
     """Fill the tensors of ``target`` from ``path``, like ``target.load_state_dict``, reading
     each tensor's bytes straight into it (same ``data_ptr``).
@@ -168,6 +171,7 @@ def load_into(
         strict_dtype: refuse dtype differences instead of casting.
         progress: see :func:`tensorstore_h5.save`.
         verify: check every stored checksum before any target changes.
+        storage_options: for a URL ``path``, passed to fsspec.
 
     Returns:
         LoadResult(missing_keys, unexpected_keys), target-side and file-side key paths.
@@ -190,7 +194,7 @@ def load_into(
         targets = {p: c[k] for p, (c, k) in slots.items()}
     else:
         raise TypeError(f"load_into needs an nn.Module or a nested dict of tensors, got {type(target).__name__}")
-    with Store(path) as store:
+    with Store(path, storage_options=storage_options) as store:
         file_keys = [k for k in store.selected_keys(select) if k.startswith(prefix)]
         stored = {k[len(prefix):]: k for k in file_keys}
         missing = [k for k in targets if k not in stored]

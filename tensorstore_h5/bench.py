@@ -1125,6 +1125,14 @@ def main(argv: list[str] | None = None) -> int:
 def run_args(a: Any) -> int:
     """Run what the options of :func:`add_arguments` ask for (parsed into ``a``); returns the
     exit status. Shared by ``python -m tensorstore_h5.bench`` and ``tensorstore-h5 bench``."""
+    if a.remote:
+        from .bench_remote import run as run_remote
+
+        rows = run_remote(min(a.size_gb, 0.5) if a.size_gb == 2.0 else a.size_gb, min(a.keys, 100), a.repeat)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"machine": _machine(), "rows": rows}, f, indent=1)
+        return 0
     if a.compression:
         from .bench_compression import run as run_compression
 
@@ -1155,6 +1163,9 @@ def add_arguments(p: Any) -> None:
                    help="run each operation under cProfile and print the N (default 25) costliest functions "
                         "of each contender's fastest run; use with --only")
     p.add_argument("--compression", action="store_true", help="measure the compression presets on real weights instead")
+    p.add_argument("--remote", action="store_true",
+                   help="measure loads over HTTP (a loopback server, with and without 20 ms latency) instead; "
+                        "0.5 GB unless --size-gb says otherwise")
     p.add_argument("--gpu", action="store_true", help="add the CUDA contenders (G.): loads to the GPU against their limits")
     p.add_argument("--cold", action="store_true",
                    help="add the cold-cache contenders (C.; root drops the page cache before each) against the disk's "

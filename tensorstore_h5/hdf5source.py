@@ -46,11 +46,16 @@ class HDF5Read:
     convert: bool
 
 
-def open_file(path: str, identity: tuple[int, int]) -> h5py.File:
+def open_file(path: str, identity: tuple[int, int], source: Any = None) -> h5py.File:
     """Open ``path`` with h5py, read-only, and check it is the file whose (device, inode) is
-    ``identity`` (the one the caller opened). Raises FormatError for a non-HDF5 file and
-    FileExistsError when the path now names another file (replaced meanwhile: try again)."""
+    ``identity`` (the one the caller opened); or open a remote ``source`` through a file
+    object. Raises FormatError for a non-HDF5 file and FileExistsError when the path now
+    names another file (replaced meanwhile: try again)."""
     try:
+        if source is not None:
+            from .remote import HDF5FileObject
+
+            return h5py.File(HDF5FileObject(source), "r")
         f = h5py.File(path, "r", locking=False)
     except H5_ERRORS as e:
         raise FormatError(f"{path}: not a readable HDF5 or tensorstore_h5 file ({_short(e)})") from e

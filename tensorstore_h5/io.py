@@ -141,6 +141,16 @@ class RawFile:
         self.pread(offset, memoryview(buf))
         return bytes(buf)
 
+    def head(self, nbytes: int) -> bytes:
+        """The first ``nbytes`` bytes (fewer in a shorter file)."""
+        return self.read(0, min(self.size, nbytes))
+
+    def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Nothing to do: a local file is read where it lies (remote sources fetch here)."""
+
+    def release(self) -> None:
+        """Nothing to do (see :meth:`prefetch`)."""
+
     def mapped(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor backed by the file's pages through its own private mapping: copy-on-write,
         so writes stay in this tensor's memory and reach neither the file nor other tensors."""

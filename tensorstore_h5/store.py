@@ -19,7 +19,7 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from . import checksum, hdf5source, io, transfer, tree
+from . import checksum, hdf5source, io, remote, transfer, tree
 from . import format as fmt
 from .codecs import DECODE_COST, ChunkReader, DecodeError
 from .display import Progress, human_bytes
@@ -128,7 +128,10 @@ class TensorHandle:
             mapped = self._store._mapped(self._entry, io.FileMap(self._store._rawfile(), whole=False), verify)
             if mapped is not None:
                 return mapped
-        return self._store._read_tensor(self._entry, sel, out, restore_layout=index is None, verify=verify)
+        try:
+            return self._store._read_tensor(self._entry, sel, out, restore_layout=index is None, verify=verify, fetch=True)
+        finally:
+            self._store._rawfile().release()
 
     def _repr_html_(self) -> str:
         from .display import tree_html
@@ -162,12 +165,13 @@ class Store:
             damaged header or layout.
     """
 
-    def __init__(self, path: PathLike) -> None:
-        self.path = os.fspath(path)
+    def __init__(self, path: Any, *, storage_options: dict[str, Any] | None = None) -> None:
+        local = remote.local_path(path)
+        self.path = local if local is not None else path if isinstance(path, str) else remote.FileObjSource.name_of(path)
         self._file: Any = None  # the h5py.File of a format-1 or foreign file
-        self._raw: io.RawFile | None = None
-        for _ in range(3):  # a save may rename a new file over the path while we open it
-            raw = io.RawFile(self.path)
+        self._raw: Any = None  # io.RawFile, remote.RemoteSource or remote.FileObjSource
+        for _ in range(3 if local is not None else 1):  # a save may rename a new file over the path while we open it
+            raw = remote.open_source(path, storage_options)
             try:
                 self._layout: Layout = self._open(raw)
                 break
@@ -179,14 +183,15 @@ class Store:
         else:
             raise FormatError(f"{self.path}: the file kept being replaced while it was opened")
         self._raw = raw
+        self._local = isinstance(raw, io.RawFile)
         self._leaf_paths = self._layout.leaf_paths
         self._container_paths = self._layout.container_paths
         self._located: dict[tuple[str, int | None], fmt.Extent | HDF5Read] = {}  # format 1 / foreign: checked locations
         self._pack_len: dict[str, int] = {}
         self._stagers: dict[torch.device, Any] = {}  # device -> transfer.Stager, made on first use
 
-    def _open(self, raw: io.RawFile) -> Layout:
-        head = raw.read(0, min(raw.size, fmt.HEADER_SIZE))
+    def _open(self, raw: Any) -> Layout:
+        head = raw.head(fmt.HEADER_SIZE)
         if head[:8] == fmt.MAGIC:
             header = fmt.parse_header(head, self.path, raw.size)
             text = raw.read(header.layout_offset, header.layout_length)
@@ -201,7 +206,7 @@ class Store:
             rename = "" if src == self.path else f" (named {suffix} first)"
             raise FormatError(f"{self.path}: not a tensorstore_h5 file: it looks like {what}; convert it with "
                               f"`tensorstore-h5 convert {src} {stem}.h5`{rename}")
-        self._file = hdf5source.open_file(self.path, raw.identity)
+        self._file = hdf5source.open_file(self.path, raw.identity, None if isinstance(raw, io.RawFile) else raw)
         try:
             return hdf5source.read_layout(self._file, self.path)
         except BaseException:
@@ -290,6 +295,8 @@ class Store:
         fmap = io.FileMap(self._rawfile(), whole=False) if mmap else None  # each tensor unmapped when dropped
         for entry in self._layout.select(included):
             if not isinstance(entry, Container):
+                if not self._local:
+                    self._rawfile().prefetch(self._ranges(entry))
                 yield entry.path, self._read_leaf(entry, alive, device, fmap, None, verify)
 
     def selected_keys(self, select: Selector = None) -> list[str]:
@@ -324,13 +331,62 @@ class Store:
         fmap = io.FileMap(self._rawfile()) if mmap else None
         entries = self._layout.select(included)
         with self._batched(progress, sum(_data_bytes(e) for e in entries)) as (bar, plan):
-            for entry in entries:
-                if isinstance(entry, Container):
-                    items.append(entry)
-                else:
-                    items.append(Leaf(entry.path, entry.key, self._read_leaf(entry, cache, device, fmap, plan, verify)))
-                    bar.update(_data_bytes(entry))
+            for group in self._fetched(entries):
+                for entry in group:
+                    if isinstance(entry, Container):
+                        items.append(entry)
+                    else:
+                        items.append(Leaf(entry.path, entry.key, self._read_leaf(entry, cache, device, fmap, plan, verify)))
+                        bar.update(_data_bytes(entry))
         return tree.inflate(items)
+
+    def _fetched(self, entries: list[Any]) -> Iterator[list[Any]]:
+        """``entries`` in groups whose stored bytes a remote source has prefetched (about
+        :data:`remote.BATCH_BYTES` a group, neighbouring ranges in one request); one group,
+        nothing fetched, for a local file."""
+        if self._local:
+            yield entries
+            return
+        raw = self._rawfile()
+        group: list[Any] = []
+        ranges: list[tuple[int, int]] = []
+        try:
+            for entry in entries:
+                more = self._ranges(entry)
+                if group and ranges and sum(n for _, n in ranges) + sum(n for _, n in more) > remote.BATCH_BYTES:
+                    raw.prefetch(ranges)
+                    yield group
+                    group, ranges = [], []
+                group.append(entry)
+                ranges.extend(more)
+            raw.prefetch(ranges)
+            yield group
+        finally:
+            raw.release()
+
+    def _ranges(self, entry: Any, sel: Selection | None = None) -> list[tuple[int, int]]:
+        """The ``(offset, nbytes)`` ranges of the file that reading ``sel`` (all by default) of a
+        leaf touches (none for plain values, aliases and data only HDF5 reads)."""
+        if not isinstance(entry, (TensorEntry, ArrayEntry)) or getattr(entry, "same_as", None):
+            return []
+        where = self._where(entry)
+        if where is None or isinstance(where, HDF5Read):
+            return []
+        lo, hi = 0, where.nbytes
+        if sel is not None and not sel.empty:
+            row = entry.dtype.itemsize * math.prod(entry.shape[1:]) if entry.shape else entry.dtype.itemsize
+            first = sel.start[0] if entry.shape else 0
+            last = first + (sel.count[0] - 1) * sel.step[0] + 1 if entry.shape else 1
+            lo, hi = first * row, last * row  # the rows the selection touches
+        if isinstance(where, Contiguous):
+            return [(where.offset + lo, hi - lo)]
+        out = []
+        for k in range(where.locate(lo), len(where.chunks)):
+            start, _ = where.span(k)
+            if start >= hi:
+                break
+            out.append(where.chunks[k][:2])
+        return out
 
     def _read_into(self, pairs: list[tuple[TensorEntry, torch.Tensor]], progress: bool | None, verify: bool) -> None:
         """Fill each target from its entry (shapes already checked; a target of another dtype
@@ -345,16 +401,19 @@ class Store:
         if verify:
             for entry, _ in pairs:
                 self._verify_stored(entry)
+        targets = {id(e): t for e, t in pairs}
         with self._batched(progress, sum(e.nbytes for e, _ in pairs)) as (bar, plan):
-            for entry, target in pairs:
-                sel = whole(entry.shape)
-                if target.dtype == entry.dtype.torch_dtype:
-                    self._read_tensor(entry, sel, target, restore_layout=False, plan=plan)
-                else:
-                    value = self._read_tensor(entry, sel, None, restore_layout=False)
-                    with torch.no_grad():
-                        target.copy_(value)
-                bar.update(entry.nbytes)
+            for group in self._fetched([e for e, _ in pairs]):
+                for entry in group:
+                    target = targets[id(entry)]
+                    sel = whole(entry.shape)
+                    if target.dtype == entry.dtype.torch_dtype:
+                        self._read_tensor(entry, sel, target, restore_layout=False, plan=plan)
+                    else:
+                        value = self._read_tensor(entry, sel, None, restore_layout=False)
+                        with torch.no_grad():
+                            target.copy_(value)
+                    bar.update(entry.nbytes)
 
     def _verify_stored(self, entry: TensorEntry) -> None:
         """Check ``entry``'s stored checksums by reading its bytes once (nothing kept)."""
@@ -388,7 +447,7 @@ class Store:
         block abandons the plan's queued reads; the bar is closed either way."""
         bar = Progress(progress, desc=f"loading {os.path.basename(self.path)}")
         bar.total(nbytes)
-        plan = io.ReadPlan(self._rawfile()) if bar.silent else None
+        plan = io.ReadPlan(self._rawfile()) if bar.silent and self._local else None
         try:
             yield bar, plan
             if plan is not None:
@@ -402,7 +461,7 @@ class Store:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _rawfile(self) -> io.RawFile:
+    def _rawfile(self) -> Any:
         if self._raw is None:
             raise ValueError(f"{self.path}: the store is closed")
         return self._raw
@@ -603,7 +662,8 @@ class Store:
         """A tensor of ``fmap`` for a row-major, contiguous, unfiltered dataset whose data
         start at a multiple of the element size, else None (then it is read)."""
         where = self._where(entry)
-        if not isinstance(where, Contiguous) or entry.stride is not None or where.offset % entry.dtype.itemsize:
+        if not self._local or not isinstance(where, Contiguous) or entry.stride is not None or \
+                where.offset % entry.dtype.itemsize:
             return None
         try:
             t = fmap.tensor(where.offset, entry.nbytes, entry.dtype.torch_dtype, entry.shape)
@@ -615,12 +675,13 @@ class Store:
         return t
 
     def _read_tensor(self, entry: TensorEntry, sel: Selection, out: torch.Tensor | None, restore_layout: bool,
-                     plan: io.ReadPlan | None = None, verify: bool = False) -> torch.Tensor:
+                     plan: io.ReadPlan | None = None, verify: bool = False, fetch: bool = False) -> torch.Tensor:
         """Read ``sel`` of ``entry`` into ``out`` (checked first) or a new tensor.
 
         With ``plan``, raw reads are only queued: the caller runs the plan before using the
         result (only for results that need no copy afterwards). ``verify`` (whole reads)
-        checks the stored checksums.
+        checks the stored checksums. ``fetch``: a remote source first fetches the ranges the
+        selection touches (callers that read many tensors fetch for all of them at once).
         """
         dtype = entry.dtype.torch_dtype
         if out is not None and (tuple(out.shape) != sel.shape or out.dtype != dtype):
@@ -631,6 +692,8 @@ class Store:
         where = self._where(entry)
         raw = self._rawfile()
         verify = verify and sel.full
+        if fetch and not self._local and not sel.empty:
+            raw.prefetch(self._ranges(entry, sel))  # the chunks or rows it touches, in few requests
         ranged = isinstance(where, (Contiguous, Chunked)) and sel.contiguous_rows
         skip = sum(a * st for a, st in zip(sel.start, contiguous_stride(entry.shape))) * entry.dtype.itemsize
         reader = ChunkReader(where, raw.pread, verify) if isinstance(where, Chunked) else None
@@ -645,7 +708,7 @@ class Store:
         if out is not None and _staged(out) and out.is_contiguous() and not sel.empty:
             if verify:
                 self._verify_stored(entry)
-            if isinstance(where, Contiguous) and ranged and _gds(out) and \
+            if self._local and isinstance(where, Contiguous) and ranged and _gds(out) and \
                     transfer.gds_read(_fd_path(raw, self.path), where.offset + skip, out):
                 return out
             stage, align = None, 1
@@ -810,6 +873,8 @@ def _device_for(device: Device, path: str) -> Any:
     return None
 
 
-def open_store(path: PathLike) -> Store:
-    """Open ``path`` read-only as a :class:`Store` (use it as a context manager)."""
-    return Store(path)
+def open_store(path: Any, *, storage_options: dict[str, Any] | None = None) -> Store:
+    """Open ``path`` read-only as a :class:`Store` (use it as a context manager): a local path,
+    an fsspec URL (``https://``, ``s3://``, ``file://``; ``storage_options`` go to fsspec) or a
+    readable, seekable binary file object."""
+    return Store(path, storage_options=storage_options)

@@ -13,6 +13,8 @@ import fcntl
 import glob
 import math
 import os
+import shutil
+import tempfile
 import stat
 import threading
 import uuid
@@ -24,7 +26,7 @@ import h5py
 import numpy as np
 import torch
 
-from . import checksum, io, tree
+from . import checksum, io, remote, tree
 from . import format as fmt
 from .compression import Compression, resolve_compression
 from .display import Progress
@@ -217,6 +219,12 @@ class Writer:
         progress: show a progress bar (None: automatic, see :func:`tensorstore_h5.save`).
         chunk_bytes: target chunk size in bytes of compressed datasets.
         sync: ``fsync`` the file before the rename and its directory after it.
+        storage_options: for a URL target, passed to fsspec.
+
+    A URL or a file object as ``path``: the file is written in a temporary directory and
+    uploaded (copied) whole when the writer closes; object stores show the object only once
+    its upload completes, and other file systems get it under a temporary name renamed into
+    place, so a failed save leaves nothing at the URL.
 
     Raises:
         UnsupportedTypeError: for a value that cannot be stored (nothing of it is written).
@@ -234,21 +242,35 @@ class Writer:
         progress: bool | None = None,
         chunk_bytes: int | None = None,
         sync: bool = False,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
-        self.path = os.fspath(path)
+        local = remote.local_path(path)
+        self._upload: tuple[Any, dict[str, Any] | None] | None = None
+        self._staging: str | None = None
+        if local is None:  # a URL or a file object: written here first, uploaded whole at the end
+            if not (remote.is_url(path) or remote.is_fileobj(path)):
+                raise TypeError(f"expected a path, a URL or a writable binary file object, got {type(path).__name__}")
+            self.path = path if isinstance(path, str) else remote.FileObjSource.name_of(path)
+            self._staging = tempfile.mkdtemp(prefix="tensorstore_h5-upload-")
+            weakref.finalize(self, shutil.rmtree, self._staging, True)
+            self._upload = (path, storage_options)
+            local = os.path.join(self._staging, "checkpoint.h5")
+        else:
+            self.path = local
+        self._target = local
         self._compression = resolve_compression(compression, chunk_bytes)
         self._metadata = dict(metadata or {})
         fmt.check_metadata(self._metadata)
         self._sync = sync
-        sweep_partials(self.path)
+        sweep_partials(self._target)
         try:
-            self._tmp, self._fd, file = _create_partial(self.path)
+            self._tmp, self._fd, file = _create_partial(self._target)
         except (PermissionError, FileNotFoundError, WriteError):
             raise
         except OSError as e:
             raise self._failed("", e) from e
         self._file: h5py.File | None = file
-        self._replaced = _Replaced(self.path)
+        self._replaced = _Replaced(self._target)
         self._finalizer = weakref.finalize(self, _discard, self._file, self._tmp, self._fd, self._replaced)
         self._entries: list[Entry] = [Container("", None, "dict")]
         self._index: dict[str, Entry] = {"": self._entries[0]}
@@ -302,7 +324,7 @@ class Writer:
             os.pwrite(self._fd, fmt.pack_header(header), 0)
             if self._sync:
                 os.fsync(self._fd)
-            _replace(self._tmp, self.path, self._replaced, self._sync)
+            _replace(self._tmp, self._target, self._replaced, self._sync)
         except BaseException:
             self.abort()
             raise
@@ -310,6 +332,17 @@ class Writer:
         self._finalizer.detach()
         os.close(self._fd)
         self._progress.close()
+        if self._upload is not None:
+            target, options = self._upload
+            try:
+                remote.upload(self._target, target, options)
+            finally:
+                self._clean_staging()
+
+    def _clean_staging(self) -> None:
+        if self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            self._staging = None
 
     def abort(self) -> None:
         """Discard everything written; any earlier file at ``path`` is left as it was."""
@@ -317,6 +350,7 @@ class Writer:
             self._file = None
             self._finalizer()
             self._progress.close()
+        self._clean_staging()
 
     def __enter__(self) -> Writer:
         return self
@@ -339,7 +373,7 @@ class Writer:
 
     def _failed(self, key: str, e: OSError) -> WriteError:
         """The error for an I/O failure while writing ``key`` (the save is abandoned)."""
-        head = os.path.dirname(os.path.abspath(self.path))
+        head = os.path.dirname(os.path.abspath(self._target))
         reason = str(e).split(" (", 1)[0] or type(e).__name__
         try:
             st = os.statvfs(head)
@@ -614,8 +648,11 @@ def save(
     progress: bool | None = None,
     chunk_bytes: int | None = None,
     sync: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> None:
-    """Save a tensor or a nested dict/list/tuple of tensors and plain values to ``path``.
+    """Save a tensor or a nested dict/list/tuple of tensors and plain values to ``path``: a
+    local path, an fsspec URL (``s3://``, ...; ``storage_options`` go to fsspec) or a
+    writable binary file object.
 
     The file is written beside ``path`` and renamed over it at the end: a failure leaves
     any earlier file intact. Tensors that are the same view of one storage are stored once.
@@ -634,13 +671,15 @@ def save(
             tensors total over 256 MiB and the output is interactive.
         chunk_bytes: target chunk size in bytes of compressed datasets.
         sync: ``fsync`` the file and its directory (durable once ``save`` returns).
+        storage_options: for a URL, passed to fsspec (credentials, endpoint).
 
     Raises:
         UnsupportedTypeError: (a TypeError) naming the key path and type of a value that
             cannot be stored without pickle; nothing is written.
         WriteError: (an OSError) the file cannot be written (disk full, I/O error); nothing changes.
     """
-    nodes = prepare(obj, os.fspath(path))
+    nodes = prepare(obj, path if isinstance(path, str) else os.fspath(path) if isinstance(path, os.PathLike)
+                    else remote.FileObjSource.name_of(path))
     with Writer(path, compression=compression, metadata=metadata, progress=progress, chunk_bytes=chunk_bytes,
-                sync=sync) as w:
+                sync=sync, storage_options=storage_options) as w:
         w._write_root(nodes)

@@ -1,0 +1,140 @@
+"""A loopback HTTP server for the remote tests and ``tensorstore-h5 bench --remote``: the files
+of a directory, with byte ranges, counting every request and byte it sends, with added latency,
+and misbehaving on request (errors, ignored ranges, dropped connections, short answers).
+127.0.0.1 only, on a free port; :meth:`RangeServer.stop` stops it."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+__all__ = ["Behaviour", "RangeServer", "free_port"]
+
+
+@dataclass
+class Behaviour:
+    """What the server does; change it between requests from a test."""
+
+    latency: float = 0.0           # seconds before each answer
+    ignore_range: bool = False     # answer 200 with the whole file
+    status: dict[str, int] = field(default_factory=dict)  # path -> status to answer (403, 404, 500)
+    drop_next: int = 0             # close the connection mid-body on this many requests
+    short: bool = False            # send fewer bytes than the range asks for
+
+
+class RangeServer:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.behaviour = Behaviour()
+        self.requests: list[tuple[str, str, int]] = []  # (method, range header, bytes sent)
+        self._lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _file(self) -> Path | None:
+                path = self.root / self.path.lstrip("/").split("?")[0]
+                return path if path.is_file() else None
+
+            @property
+            def root(self) -> Path:
+                return server.root
+
+            def _answer(self, body: bytes, status: int, headers: dict[str, str], send_body: bool,
+                        length: int | None = None) -> None:
+                b = server.behaviour
+                if b.latency:
+                    time.sleep(b.latency)
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body) if length is None else length))
+                self.end_headers()
+                drop = False
+                if send_body:
+                    with server._lock:
+                        drop = b.drop_next > 0
+                        if drop:
+                            b.drop_next -= 1
+                sent = 0 if not send_body else len(body) // 2 if drop else len(body)
+                with server._lock:  # counted before it is sent: the client may be done before this thread
+                    server.requests.append((self.command, self.headers.get("Range", ""), sent))
+                if send_body:
+                    self.wfile.write(body[:sent])
+                    self.wfile.flush()
+                    if drop:
+                        self.connection.shutdown(2)
+                        self.close_connection = True
+
+            def _serve(self, send_body: bool) -> None:
+                b = server.behaviour
+                status = b.status.get(self.path)
+                if status:
+                    self._answer(b"denied", status, {}, send_body)
+                    return
+                f = self._file()
+                if f is None:
+                    self._answer(b"not found", 404, {}, send_body)
+                    return
+                size = f.stat().st_size
+                m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+                if m is None or b.ignore_range:
+                    self._answer(f.read_bytes() if send_body else b"", 200, {"Accept-Ranges": "bytes"}, send_body, size)
+                    return
+                start = int(m.group(1))
+                end = min(size - 1, int(m.group(2))) if m.group(2) else size - 1
+                if start >= size:
+                    self._answer(b"", 416, {"Content-Range": f"bytes */{size}"}, send_body)
+                    return
+                with open(f, "rb") as fh:  # only the range: the files are large
+                    fh.seek(start)
+                    part = fh.read(end + 1 - start)
+                if b.short:
+                    part = part[: max(0, len(part) - 7)]
+                self._answer(part, 206, {"Content-Range": f"bytes {start}-{start + len(part) - 1}/{size}",
+                                         "Accept-Ranges": "bytes"}, send_body)
+
+            def do_GET(self) -> None:  # noqa: N802
+                self._serve(True)
+
+            def do_HEAD(self) -> None:  # noqa: N802
+                self._serve(False)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{name}"
+
+    def reset(self) -> None:
+        with self._lock:
+            self.requests.clear()
+        self.behaviour = Behaviour()
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(n for _, _, n in self.requests)
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

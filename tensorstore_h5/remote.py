@@ -1,0 +1,363 @@
+"""Byte sources other than a local file: fsspec URLs (``https://``, ``s3://``, ...) and file objects.
+
+A source has what :class:`tensorstore_h5.io.RawFile` has (``path``, ``size``, ``pread``,
+``read``, ``close``) and, for remote ones, :meth:`RemoteSource.prefetch`: the reader names
+every byte range it is about to read, and the source fetches them in few requests
+(neighbouring ranges coalesced, independent ones concurrently), so that a partial load moves
+only its own bytes plus the layout. Opening a format-2 file costs two round trips: the
+64-byte header (with the object's size, asked for at the same time) and the layout.
+
+fsspec (and s3fs for ``s3://``) are optional: ``pip install "tensorstore_h5[remote]"``.
+"""
+
+from __future__ import annotations
+
+import io as stdio
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import io
+from .errors import TensorStoreError
+
+__all__ = ["RETRIES", "MAX_GAP", "BATCH_BYTES", "is_url", "is_fileobj", "open_source", "RemoteSource", "FileObjSource",
+           "RemoteError", "upload"]
+
+RETRIES = 3
+"""Times a failed request is tried again (transient errors only: connection, timeout, 5xx)."""
+
+BACKOFF = 0.2
+"""Seconds before the first retry (doubling each time)."""
+
+MAX_GAP = 1 << 20
+"""Ranges closer than this many bytes are fetched by one request (the gap is read and dropped)."""
+
+BATCH_BYTES = 256 * 2**20
+"""A load of a remote file prefetches at most about this many bytes at a time."""
+
+
+class RemoteError(TensorStoreError, OSError):
+    """A remote object could not be read or written: the message names the URL."""
+
+
+def is_url(target: Any) -> bool:
+    """True for a string with a scheme other than a Windows drive letter (``s3://``, ``https://``)."""
+    return isinstance(target, str) and "://" in target and len(target.split("://", 1)[0]) > 1
+
+
+def is_fileobj(target: Any) -> bool:
+    return hasattr(target, "read") and hasattr(target, "seek") and not isinstance(target, (str, bytes, os.PathLike))
+
+
+def _fsspec() -> Any:
+    try:
+        import fsspec
+    except ImportError:
+        raise TensorStoreError("reading and writing URLs needs fsspec: pip install \"tensorstore_h5[remote]\"") from None
+    return fsspec
+
+
+def local_path(target: Any) -> str | None:
+    """The local path of a path or a ``file://`` URL, else None."""
+    if isinstance(target, os.PathLike):
+        return os.fspath(target)
+    if isinstance(target, str):
+        if target.startswith("file://"):
+            return target[len("file://"):]
+        return None if is_url(target) else target
+    return None
+
+
+def open_source(target: Any, storage_options: dict[str, Any] | None = None, retries: int | None = None) -> Any:
+    """A byte source for a path, a ``file://`` URL (both: :class:`io.RawFile`), another
+    fsspec URL (:class:`RemoteSource`) or a readable, seekable binary file object
+    (:class:`FileObjSource`)."""
+    path = local_path(target)
+    if path is not None:
+        return io.RawFile(path)
+    if is_fileobj(target):
+        return FileObjSource(target)
+    if is_url(target):
+        return RemoteSource(target, storage_options or {}, RETRIES if retries is None else retries)
+    raise TypeError(f"expected a path, a URL or a binary file object, got {type(target).__name__}")
+
+
+def _transient(e: BaseException) -> bool:
+    """Errors worth another try: connections dropped or refused, timeouts, server errors."""
+    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    text = f"{type(e).__name__} {e}"
+    if any(s in text for s in ("403", "404", "Forbidden", "Not Found", "NoSuchKey", "AccessDenied", "NoSuchBucket")):
+        return False
+    if isinstance(e, (ConnectionError, TimeoutError, EOFError)):
+        return True
+    return any(s in text for s in ("Connection", "Disconnected", "Timeout", "ClientPayloadError", "ServerDisconnected",
+                                   "500", "502", "503", "504", "IncompleteRead", "reset by peer"))
+
+
+class RemoteSource:
+    """An object behind an fsspec URL, read by byte ranges.
+
+    ``stats`` counts requests and bytes received (for tests and the benchmark).
+    """
+
+    local = False
+
+    def __init__(self, url: str, storage_options: dict[str, Any], retries: int = RETRIES) -> None:
+        fsspec = _fsspec()
+        self.path = url
+        self.retries = retries
+        try:
+            self._fs, self._key = fsspec.core.url_to_fs(url, **storage_options)
+        except (ImportError, ValueError) as e:
+            raise RemoteError(f"{url}: cannot open this URL ({e}); for s3:// install s3fs "
+                              "(pip install \"tensorstore_h5[remote]\")") from e
+        self._cache: list[tuple[int, bytes]] = []  # prefetched (start, data), sorted by start
+        self._lock = threading.Lock()
+        self.stats = {"requests": 0, "bytes": 0}
+        self.size = -1
+        self.identity = (0, hash(url))
+
+    # -- requests
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        delay = BACKOFF
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except BaseException as e:  # noqa: BLE001 - classified below, re-raised as RemoteError
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                if attempt == self.retries or not _transient(e):
+                    kind = "not found" if isinstance(e, FileNotFoundError) else \
+                        "access denied" if isinstance(e, PermissionError) or "403" in str(e) else "request failed"
+                    tries = f" after {attempt + 1} tries" if attempt else ""
+                    raise RemoteError(f"{self.path}: {what}: {kind}{tries} ({type(e).__name__}: {e})") from e
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError
+
+    def head(self, head: int) -> bytes:
+        """The object's first ``head`` bytes; its size is asked for at the same time."""
+        result: dict[str, Any] = {}
+
+        def info() -> None:
+            try:
+                result["size"] = self._call("size", lambda: self._fs.info(self._key)["size"])
+            except BaseException as e:  # noqa: BLE001 - raised in the calling thread
+                result["error"] = e
+
+        t = threading.Thread(target=info, daemon=True)
+        t.start()
+        data = self._get(0, head, allow_short=True)
+        t.join()
+        if "error" in result:
+            raise result["error"]
+        self.size = int(result["size"])
+        return data[:min(head, self.size)]
+
+    def _get(self, start: int, end: int, allow_short: bool = False) -> bytes:
+        data = self._call(f"bytes {start}..{end}", lambda: self._fs.cat_file(self._key, start=start, end=end))
+        with self._lock:
+            self.stats["requests"] += 1
+            self.stats["bytes"] += len(data)
+        if len(data) > end - start:
+            raise RemoteError(f"{self.path}: the server ignored the byte range {start}..{end} (sent {len(data)} bytes); "
+                              "tensorstore_h5 needs HTTP range requests")
+        if len(data) < end - start and not allow_short:
+            raise RemoteError(f"{self.path}: the object ends before byte {end} ({len(data)} of {end - start} bytes "
+                              "received): truncated or changed while being read")
+        return data
+
+    # -- the source interface
+
+    def pread(self, offset: int, view: memoryview) -> None:
+        """Fill ``view`` with the bytes at ``offset``, from the prefetched ranges when they
+        hold them, else with one request."""
+        n = len(view)
+        with self._lock:
+            for start, data in self._cache:
+                if start <= offset and offset + n <= start + len(data):
+                    view[:] = data[offset - start:offset - start + n]
+                    return
+        view[:] = self._get(offset, offset + n)
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        buf = bytearray(nbytes)
+        self.pread(offset, memoryview(buf))
+        return bytes(buf)
+
+    def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Fetch ``(offset, nbytes)`` ranges for the reads that follow: neighbouring ones
+        (closer than :data:`MAX_GAP`) by one request, the rest concurrently. Replaces what
+        was prefetched before."""
+        spans = sorted((o, o + n) for o, n in ranges if n > 0)
+        merged: list[list[int]] = []
+        for a, b in spans:
+            if merged and a <= merged[-1][1] + MAX_GAP:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        if not merged:
+            self.release()
+            return
+        fetched = self._call(f"{len(merged)} byte ranges", lambda: self._cat_ranges(merged))
+        with self._lock:
+            self._cache = sorted(zip((a for a, _ in merged), fetched))
+
+    def _cat_ranges(self, merged: list[list[int]]) -> list[bytes]:
+        out = self._fs.cat_ranges([self._key] * len(merged), [a for a, _ in merged], [b for _, b in merged],
+                                  on_error="return")
+        for (a, b), data in zip(merged, out):
+            if isinstance(data, BaseException):
+                raise data
+        result = []
+        for (a, b), data in zip(merged, out):
+            with self._lock:
+                self.stats["requests"] += 1
+                self.stats["bytes"] += len(data)
+            if len(data) != b - a:
+                what = "ignored the byte range" if len(data) > b - a else "ended early"
+                raise RemoteError(f"{self.path}: the server {what} for bytes {a}..{b} ({len(data)} bytes received)")
+            result.append(data)
+        return result
+
+    def release(self) -> None:
+        """Drop the prefetched bytes."""
+        with self._lock:
+            self._cache = []
+
+    def close(self) -> None:
+        self.release()
+
+    def _fileno(self) -> int:
+        raise ValueError(f"{self.path}: a remote object has no file descriptor")
+
+
+class FileObjSource:
+    """A readable, seekable binary file object, read by byte ranges (under a lock: the
+    object has one position)."""
+
+    local = False
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.path = self.name_of(f)
+        self._lock = threading.Lock()
+        try:
+            here = f.tell()
+            self.size = f.seek(0, os.SEEK_END)
+            f.seek(here)
+        except (OSError, ValueError, stdio.UnsupportedOperation) as e:
+            raise TypeError(f"{self.path}: the file object must be readable and seekable ({e})") from e
+        self.identity = (0, id(f))
+        self.stats = {"requests": 0, "bytes": 0}
+
+    def pread(self, offset: int, view: memoryview) -> None:
+        with self._lock:
+            self._f.seek(offset)
+            done = 0
+            while done < len(view):
+                got = self._f.readinto(view[done:]) if hasattr(self._f, "readinto") else None
+                if got is None:
+                    chunk = self._f.read(len(view) - done)
+                    got = len(chunk)
+                    view[done:done + got] = chunk
+                if not got:
+                    raise EOFError(f"{self.path}: ends at byte {offset + done}, {len(view) - done} bytes short (truncated?)")
+                done += got
+            self.stats["requests"] += 1
+            self.stats["bytes"] += len(view)
+
+    @staticmethod
+    def name_of(f: Any) -> str:
+        """What messages call a file object: its name, or its type."""
+        name = getattr(f, "name", None)
+        return name if isinstance(name, str) else f"<{type(f).__name__}>"
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        buf = bytearray(nbytes)
+        self.pread(offset, memoryview(buf))
+        return bytes(buf)
+
+    def head(self, nbytes: int) -> bytes:
+        return self.read(0, min(self.size, nbytes))
+
+    def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass  # the caller owns the file object
+
+    def _fileno(self) -> int:
+        raise ValueError(f"{self.path}: a file object has no file descriptor tensorstore_h5 maps")
+
+
+class HDF5FileObject(stdio.RawIOBase):
+    """A source as the read-only file object h5py takes (format-1 and foreign files over a URL)."""
+
+    def __init__(self, source: Any) -> None:
+        self._src = source
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = offset if whence == 0 else self._pos + offset if whence == 1 else self._src.size + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self._src.size - self._pos))
+        if n:
+            self._src.pread(self._pos, memoryview(b).cast("B")[:n])
+        self._pos += n
+        return n
+
+
+def upload(local: str, target: Any, storage_options: dict[str, Any] | None = None, retries: int | None = None) -> None:
+    """Copy the finished file ``local`` to ``target`` (a URL or a writable binary file object).
+
+    Object stores (s3, gs, az) make an object visible only once its upload completes, so a
+    failed save leaves none; other file systems get a temporary name beside the target,
+    renamed into place. Raises RemoteError naming the URL.
+    """
+    if is_fileobj(target):
+        with open(local, "rb") as f:
+            while True:
+                block = f.read(8 << 20)
+                if not block:
+                    break
+                target.write(block)
+        if hasattr(target, "flush"):
+            target.flush()
+        return
+    fsspec = _fsspec()
+    fs, key = fsspec.core.url_to_fs(target, **(storage_options or {}))
+    src = RemoteSource.__new__(RemoteSource)
+    src.path, src.retries = target, RETRIES if retries is None else retries
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    if protocols & {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}:
+        src._call("upload", lambda: fs.put_file(local, key))
+        return
+    tmp = f"{key}.{os.getpid()}.{threading.get_ident()}.partial"
+    try:
+        src._call("upload", lambda: fs.put_file(local, tmp))
+        src._call("rename", lambda: fs.mv(tmp, key))
+    except BaseException:
+        try:
+            fs.rm(tmp)
+        except Exception:  # noqa: BLE001 - best effort; the upload's own error is raised
+            pass
+        raise

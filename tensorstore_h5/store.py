@@ -134,12 +134,13 @@ class TensorHandle:
             self._store._rawfile().release()
 
     def _repr_html_(self) -> str:
-        from .display import tree_html
+        from .display import TreeRow, tree_html
 
         e = self._entry
         layout = "row-major" if e.stride is None else f"stride {list(e.stride)}"
         where = "same as " + e.same_as if e.same_as else ("compressed" if isinstance(e.extent, Chunked) else "contiguous")
-        return tree_html(repr(self), [(e.path or "(root)", f"{e.dtype.name} {list(e.shape)} {layout}, {where}", human_bytes(e.nbytes))])
+        row = TreeRow(e.path or "(root)", f"{e.dtype.name} {list(e.shape)} {layout}, {where}", e.nbytes)
+        return tree_html(repr(self), [row], nest=False)
 
     def __repr__(self) -> str:
         e = self._entry
@@ -780,7 +781,7 @@ class Store:
 
     def _repr_html_(self) -> str:
         """A collapsible tree of the keys with dtype, shape, layout and size (Jupyter)."""
-        from .display import tree_html
+        from .display import TreeRow, tree_html
 
         rows = []
         for e in self._layout.leaves:
@@ -789,13 +790,13 @@ class Store:
                 desc += f" (same as {e.same_as})" if e.same_as else ""
                 if isinstance(e.extent, Chunked) and e.nbytes:
                     desc += f", compressed to {e.extent.stored_bytes / e.nbytes:.2f}"
-                rows.append((e.path, desc, human_bytes(e.nbytes)))
+                rows.append(TreeRow(e.path, desc, e.nbytes, e.same_as is None))
             elif isinstance(e, ArrayEntry):
-                rows.append((e.path, f"ndarray {e.dtype} {list(e.shape)}", human_bytes(e.nbytes)))
+                rows.append(TreeRow(e.path, f"ndarray {e.dtype} {list(e.shape)}", e.nbytes))
             elif isinstance(e, ValueEntry):
-                rows.append((e.path, f"{type(e.value).__name__} = {repr(e.value)[:40]}", ""))
+                rows.append(TreeRow(e.path, f"{type(e.value).__name__} = {repr(e.value)[:40]}"))
             else:
-                rows.append((e.path, f"unsupported: {e.reason}", ""))
+                rows.append(TreeRow(e.path, f"unsupported: {e.reason}"))
         return tree_html(repr(self), rows)
 
     def __repr__(self) -> str:

@@ -9,9 +9,14 @@
 
 from __future__ import annotations
 
-from .api import LoadResult, load, load_into
-from .compression import PRESETS
-from .convert import convert
+from importlib import import_module as _import_module
+from importlib.util import find_spec as _find_spec
+from typing import TYPE_CHECKING, Any
+
+# Importing the package does not import torch (about 2 s): the command line's --help and usage
+# errors need none of it. The names that need torch are imported on first use (PEP 562), all at
+# once, so after that the package holds exactly what an eager import gave.
+from .convert import convert  # imports torch only when called
 from .errors import (
     FormatError,
     KeyNotFoundError,
@@ -21,11 +26,15 @@ from .errors import (
     UnsupportedTypeError,
     WriteError,
 )
-from .format import FORMAT_VERSION
-from .store import Store, TensorHandle
-from .store import open_store as open
-from .tree import escape, unescape
-from .writer import Writer, save
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
+    from .api import LoadResult, load, load_into
+    from .compression import PRESETS
+    from .format import FORMAT_VERSION
+    from .store import Store, TensorHandle
+    from .store import open_store as open
+    from .tree import escape, unescape
+    from .writer import Writer, save
 
 __version__ = "0.1.0"
 
@@ -35,3 +44,37 @@ __all__ = [
     "TensorStoreError", "FormatError", "UnsupportedTypeError", "KeyNotFoundError", "MismatchError", "WriteError",
     "TensorStoreWarning", "__version__",
 ]
+
+
+def _import_all() -> None:
+    """Import the modules that need torch and bind their public names here (idempotent)."""
+    from .api import LoadResult, load, load_into
+    from .compression import PRESETS
+    from .format import FORMAT_VERSION
+    from .store import Store, TensorHandle
+    from .store import open_store as open
+    from .tree import escape, unescape
+    from .writer import Writer, save
+
+    globals().update(LoadResult=LoadResult, load=load, load_into=load_into, PRESETS=PRESETS,
+                     FORMAT_VERSION=FORMAT_VERSION, Store=Store, TensorHandle=TensorHandle, open=open, escape=escape,
+                     unescape=unescape, Writer=Writer, save=save)
+
+
+_LAZY = frozenset(name for name in __all__ if name not in globals())
+"""The public names that _import_all binds."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        _import_all()
+        return globals()[name]
+    # A submodule (``th5.transfer``, ``from . import tree``): imported by its own name only, so
+    # that modules importing each other during _import_all never re-enter it.
+    if not name.startswith("_") and _find_spec(f"{__name__}.{name}") is not None:
+        return _import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

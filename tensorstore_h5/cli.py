@@ -1,4 +1,9 @@
-"""The ``tensorstore-h5`` command (also ``python -m tensorstore_h5``)."""
+"""The ``tensorstore-h5`` command (also ``python -m tensorstore_h5``).
+
+Building the parser imports no torch (about 2 s): ``--help``, ``<command> --help`` and usage
+errors answer at once; each command imports what it needs when it runs. (``bench --help`` is
+the exception: its arguments are defined in :mod:`tensorstore_h5.bench`, which imports torch.)
+"""
 
 from __future__ import annotations
 
@@ -6,24 +11,76 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
+from .convert import SUFFIXES, format_of
+from .display import AUTO_PROGRESS_BYTES, human_bytes
+from .errors import KeyNotFoundError, TensorStoreError
 
-from . import api, writer
-from .display import human_bytes
-from .errors import TensorStoreError
-from .compression import PRESETS
-from .format import FORMAT_VERSION, ArrayEntry, ForeignEntry, TensorEntry
-from .store import Store, TensorHandle
+__all__ = ["main", "build_parser"]
 
-__all__ = ["main"]
+FORMAT_VERSION = 2
+"""``format.FORMAT_VERSION``, for the parser's description (tests/test_cli_lazy.py checks they agree)."""
+PRESET_NAMES = ("best", "lz4", "zstd")
+"""``sorted(compression.PRESETS)``, for ``--compression`` (tests/test_cli_lazy.py checks they agree)."""
+
+_EXIT_OK, _EXIT_ERROR = 0, 1  # argparse exits with 2 for usage errors
 
 
-def _leaf_info(store: Store, key: str) -> dict[str, Any]:
+class _UsageError(Exception):
+    """Arguments that parse but do not go together: reported like argparse's errors (status 2)."""
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _open(path: str) -> Any:
+    """The file as a Store; a directory is named as one, with the checkpoint files inside it."""
+    if os.path.isdir(path):
+        try:
+            inside = sorted(name for name in os.listdir(path) if os.path.splitext(name)[1].lower() in SUFFIXES)
+        except OSError:
+            inside = []
+        hint = (f"give one of the files in it: {', '.join(inside[:3])}{' ...' if len(inside) > 3 else ''}" if inside else
+                "give the path of an .h5 file")
+        raise IsADirectoryError(f"{path}: is a directory, not a checkpoint file; {hint}")
+    from .store import Store
+
+    return Store(path)
+
+
+def _foreign_shape(store: Any, entry: Any) -> tuple[list[int] | None, str | None]:
+    """Shape and type (``"string"``, ``"compound"``, a numpy dtype) of a foreign dataset that
+    has no torch dtype; None where the file does not say."""
+    try:
+        import h5py
+
+        ds = store._file[entry.dataset]
+        shape, dtype = ds.shape, ds.dtype
+    except Exception:  # noqa: BLE001 - a listing never fails on what it only describes
+        return None, None
+    if h5py.check_string_dtype(dtype) is not None or dtype.kind in "SU":
+        kind = "string"
+    elif dtype.names:
+        kind = "compound"
+    elif h5py.check_vlen_dtype(dtype) is not None:
+        kind = "vlen"
+    elif h5py.check_enum_dtype(dtype) is not None:
+        kind = "enum"
+    elif h5py.check_ref_dtype(dtype) is not None:
+        kind = "reference"
+    else:
+        kind = str(dtype)
+    return (None if shape is None else list(shape)), kind
+
+
+def _leaf_info(store: Any, key: str) -> dict[str, Any]:
+    """One row of ``ls``: ``key``, ``kind`` (tensor, ndarray, value, unsupported) and what
+    describes that kind."""
+    from .format import ArrayEntry, ForeignEntry, TensorEntry
+
     entry = store._entry(key)
     if isinstance(entry, TensorEntry):
         info: dict[str, Any] = {"key": key, "kind": "tensor", "shape": list(entry.shape), "dtype": entry.dtype.name,
@@ -36,62 +93,90 @@ def _leaf_info(store: Store, key: str) -> dict[str, Any]:
     if isinstance(entry, ArrayEntry):
         return {"key": key, "kind": "ndarray", "shape": list(entry.shape), "dtype": str(entry.dtype), "nbytes": entry.nbytes}
     if isinstance(entry, ForeignEntry):
-        return {"key": key, "kind": "unsupported", "type": "-", "value": entry.reason}
-    return {"key": key, "kind": "value", "type": type(entry.value).__name__, "value": repr(entry.value)[:60]}
+        shape, dtype = _foreign_shape(store, entry)
+        return {"key": key, "kind": "unsupported", "shape": shape, "dtype": dtype, "reason": entry.reason}
+    value = repr(entry.value)
+    return {"key": key, "kind": "value", "type": type(entry.value).__name__,
+            "value": value if len(value) <= 60 else value[:59] + "…"}
+
+
+def _row_text(r: dict[str, Any]) -> str:
+    if r["kind"] == "value":
+        return f"{r['type']:<10} {r['value']}"
+    shape = "?" if r["shape"] is None else str(r["shape"])
+    if r["kind"] == "unsupported":
+        return f"{r['dtype'] or '?':<10} {shape:<18} {'-':>10}  (HDF5 data with no torch dtype: not loadable)"
+    desc = f"{r['dtype']:<10} {shape:<18} {human_bytes(r['nbytes']):>10}"
+    if r["kind"] == "ndarray":
+        desc += "  (numpy array)"
+    if "same_as" in r:
+        desc += f"  (same as {r['same_as']})"
+    return desc
+
+
+# ---------------------------------------------------------------------------- commands
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with Store(args.file) as store:
+    with _open(args.file) as store:
         keys = store.selected_keys(args.pattern) if args.pattern else store.keys()
+        if args.pattern and not keys:
+            raise KeyNotFoundError(f"{args.file}: no key matches {args.pattern!r}; list every key with "
+                                   f"`tensorstore-h5 ls {args.file}` (a glob: * also matches /)")
         rows = [_leaf_info(store, k) for k in keys]
     if args.json:
-        json.dump(rows, sys.stdout, indent=1)
+        json.dump(rows, sys.stdout, indent=1, ensure_ascii=False)
         print()
-        return 0
+        return _EXIT_OK
     width = max([len(r["key"]) for r in rows] + [3])
     for r in rows:
-        if r["kind"] == "value":
-            desc = f"{r['type']:<10} {r['value']}"
-        else:
-            desc = f"{r['dtype']:<10} {str(r['shape']):<18} {human_bytes(r['nbytes']):>10}"
-            if "same_as" in r:
-                desc += f"  (same as {r['same_as']})"
-        print(f"{r['key']:<{width}}  {desc}")
-    return 0
+        print(f"{r['key']:<{width}}  {_row_text(r)}")
+    return _EXIT_OK
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    with Store(args.file) as store:
-        tensors = [k for k in store.keys() if isinstance(store._entry(k), TensorEntry)]
+    from .format import ForeignEntry, TensorEntry
+
+    with _open(args.file) as store:
+        entries = [store._entry(k) for k in store.keys()]
         info = {
             "file": store.path,
             "format_version": store.format_version,
             "file_bytes": os.path.getsize(store.path),
             "keys": len(store),
-            "tensors": len(tensors),
+            "tensors": sum(isinstance(e, TensorEntry) for e in entries),
+            "unsupported": sum(isinstance(e, ForeignEntry) for e in entries),
             "data_bytes": store.nbytes,
             "metadata": store.metadata,
         }
     if args.json:
-        json.dump(info, sys.stdout, indent=1, default=str)
+        json.dump(info, sys.stdout, indent=1, default=str, ensure_ascii=False)
         print()
-        return 0
+        return _EXIT_OK
     version = f"tensorstore_h5 format v{info['format_version']}" if info["format_version"] else "foreign HDF5 file"
     print(f"{info['file']}: {version}")
-    print(f"  keys       {info['keys']} ({info['tensors']} tensors)")
+    unsupported = f", {info['unsupported']} not loadable" if info["unsupported"] else ""
+    print(f"  keys       {info['keys']} ({info['tensors']} tensors{unsupported})")
     print(f"  data       {human_bytes(info['data_bytes'])}")
     print(f"  file size  {human_bytes(info['file_bytes'])}")
     if info["metadata"]:
-        print(f"  metadata   {json.dumps(info['metadata'])}")
-    return 0
+        print(f"  metadata   {json.dumps(info['metadata'], default=str, ensure_ascii=False)}")
+    return _EXIT_OK
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Save, inspect, slice, stream and load back an embedded synthetic checkpoint."""
+    import tempfile
+
+    import torch
+
+    from . import api, writer
+    from .store import Store, TensorHandle
     from .synthetic import checkpoint, transformer_state_dict
 
     ckpt = checkpoint(layers=args.layers, width=args.width)
     model = ckpt["model"]
+    last = args.layers - 1
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "demo.h5")
         t0 = time.perf_counter()
@@ -108,8 +193,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             rows = q[10:20]
             assert torch.equal(rows, model["layers.0.attn.qkv.weight"][10:20])
             print(f"row slice q[10:20] -> {tuple(rows.shape)}, read {rows.nbytes} of {q.nbytes} bytes")
-            n = sum(1 for _ in store.items(select="model/layers.1.*"))
-            print(f"streamed {n} tensors of layer 1 one at a time")
+            n = sum(1 for _ in store.items(select=f"model/layers.{last}.*"))
+            print(f"streamed {n} tensors of layer {last} one at a time")
         part = api.load(path, select="model/layers.0.*")
         print(f"load(select='model/layers.0.*') -> {len(part['model'])} tensors")
         fresh = transformer_state_dict(args.layers, args.width, seed=1)
@@ -121,47 +206,71 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"full load: {len(full['optimizer']['state'])} optimizer states, tied head/embed aliased: {tied}")
         if not (same and tied):
             print("demo FAILED: data did not round-trip", file=sys.stderr)
-            return 1
+            return _EXIT_ERROR
     print("demo OK")
-    return 0
+    return _EXIT_OK
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Read every byte of every leaf, checking checksums (format 2), and check the layout
     against the HDF5 metadata; report the problems."""
+    from .display import Progress
+    from .format import ArrayEntry, ForeignEntry, TensorEntry
     from .hdf5source import verify_layout
 
-    with Store(args.file) as store:
+    with _open(args.file) as store:
+        entries = {k: store._entry(k) for k in store.keys()}
+        sizes = {k: e.nbytes for k, e in entries.items() if isinstance(e, (TensorEntry, ArrayEntry))}
+        skipped = [k for k, e in entries.items() if isinstance(e, ForeignEntry)]
+        bar = Progress(args.progress, desc=f"verifying {os.path.basename(args.file)}")
+        bar.total(sum(sizes.values()))
         n = total = 0
-        for _key, value in store.items(verify=True):
-            n += 1
-            if isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
+        try:
+            for key, _value in store.items(select=lambda k: not isinstance(entries[k], ForeignEntry), verify=True):
+                n += 1
+                total += sizes.get(key, 0)
+                bar.update(sizes.get(key, 0))
+        finally:
+            bar.close()
         problems = list(verify_layout(store.path, store._layout)) if store.format_version == 2 else []
         version = store.format_version
     if problems:
         for p in problems:
             print(f"{args.file}: {p}", file=sys.stderr)
         print(f"{args.file}: FAILED, {len(problems)} problem(s)", file=sys.stderr)
-        return 1
+        return _EXIT_ERROR
     what = ("checksums and HDF5 metadata agree" if version == 2 else
             "format 1 has no checksums: structure checked" if version == 1 else "a foreign HDF5 file: structure checked")
-    print(f"{args.file}: OK, {n} keys, {human_bytes(total)} of tensor data read; {what}")
-    return 0
+    also = (f"; {len(skipped)} dataset(s) of types torch cannot hold not read ({', '.join(map(repr, skipped[:3]))}"
+            f"{' ...' if len(skipped) > 3 else ''})" if skipped else "")
+    print(f"{args.file}: OK, {n} keys, {human_bytes(total)} of tensor data read; {what}{also}")
+    return _EXIT_OK
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import convert, format_of
+    from . import store, writer  # noqa: F401 - imported before the clock starts
+    from .convert import convert
 
     options: dict[str, Any] = {}
     if args.compression:
-        if format_of(args.dst) != "h5":
-            raise TensorStoreError("--compression applies to an .h5 destination only")
         options["compression"] = args.compression
     t0 = time.perf_counter()
-    convert(args.src, args.dst, select=args.select, **options)
+    convert(args.src, args.dst, select=args.select, progress=args.progress, **options)
     print(f"{args.src} -> {args.dst}: {human_bytes(os.path.getsize(args.dst))} in {time.perf_counter() - t0:.1f} s")
-    return 0
+    return _EXIT_OK
+
+
+def _check_convert(args: argparse.Namespace) -> None:
+    """Usage errors of ``convert`` found from the arguments alone."""
+    try:
+        kinds = format_of(args.src), format_of(args.dst)
+    except ValueError:
+        return  # convert names the file and the suffixes it knows
+    if args.compression and kinds[1] != "h5":
+        raise _UsageError(f"--compression applies to an .h5 destination only, not {args.dst}")
+    if args.select and kinds[0] == "torch":
+        raise _UsageError(f"--select applies to an .h5 or .safetensors source, not {args.src}: convert it whole to .h5, "
+                          "then select from that")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -170,47 +279,137 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench.run_args(args)
 
 
+# ---------------------------------------------------------------------------- parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """A command's parser: options may come between positionals (``ls f.h5 --json 'model/*'``),
+    and its arguments may be added on first use (``loader``), so that listing the commands
+    does not import the module that defines a command's arguments."""
+
+    loader: Any = None
+    _inside = False
+
+    def _load(self) -> None:
+        loader, self.loader = self.loader, None
+        if loader is not None:
+            loader(self)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._load()
+        if self._inside:  # parse_known_intermixed_args calls this method itself (Python < 3.12)
+            return super().parse_known_args(args, namespace)
+        self._inside = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inside = False
+
+    def format_usage(self) -> str:
+        self._load()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._load()
+        return super().format_help()
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    from .bench import add_arguments  # imports torch
+
+    add_arguments(p)
+
+
+def _progress_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="show a progress bar by bytes (default: for work over "
+                        f"{human_bytes(AUTO_PROGRESS_BYTES)} when stderr is a terminal)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tensorstore-h5", description="PyTorch checkpoints in HDF5 (format v%d)." % FORMAT_VERSION)
-    sub = p.add_subparsers(dest="command", required=True)
+    """The command line's parser (imports no torch)."""
+    p = argparse.ArgumentParser(prog="tensorstore-h5", description=f"PyTorch checkpoints in HDF5 (format v{FORMAT_VERSION}).")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     s = sub.add_parser("demo", help="save, inspect and load an embedded synthetic checkpoint")
-    s.add_argument("--layers", type=int, default=4)
-    s.add_argument("--width", type=int, default=256)
+    s.add_argument("--layers", type=_at_least_one, default=4, help="transformer layers (at least 1; default 4)")
+    s.add_argument("--width", type=_at_least_one, default=256, help="hidden width (at least 1; default 256)")
     s.set_defaults(func=cmd_demo)
     s = sub.add_parser("ls", help="list keys with shape, dtype and size")
     s.add_argument("file")
-    s.add_argument("pattern", nargs="?", help="glob on key paths")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("pattern", nargs="?", help="glob or exact key (a container lists everything under it)")
+    s.add_argument("--json", action="store_true", help="one JSON object per key: key, kind (tensor, ndarray, value, "
+                                                      "unsupported) and what describes it")
     s.set_defaults(func=cmd_ls)
     s = sub.add_parser("info", help="totals, format version and metadata")
     s.add_argument("file")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_info)
-    s = sub.add_parser("convert", help="convert between .h5, .safetensors and torch.save files")
+    s = sub.add_parser("convert", help="convert between .h5, .safetensors and torch.save files",
+                       description="Convert by the files' suffixes: " + ", ".join(sorted(SUFFIXES)) + ". Pairs: "
+                                   "safetensors->h5, torch->h5, h5->safetensors, h5->h5.")
     s.add_argument("src")
     s.add_argument("dst")
-    s.add_argument("--compression", help="preset for an .h5 destination: " + ", ".join(sorted(PRESETS)))
-    s.add_argument("--select", action="append", help="glob or key of an .h5 source (repeatable)")
-    s.set_defaults(func=cmd_convert)
+    s.add_argument("--compression", choices=PRESET_NAMES, help="compression preset for an .h5 destination")
+    s.add_argument("--select", action="append", metavar="GLOB",
+                   help="glob or key of an .h5 or .safetensors source to convert (repeatable)")
+    _progress_argument(s)
+    s.set_defaults(func=cmd_convert, check=_check_convert, command_parser=s)
     s = sub.add_parser("bench", help="benchmark against the machine's limits and the peers (see bench/README.md)")
-    from .bench import add_arguments
-
-    add_arguments(s)
+    s.loader = _bench_arguments
     s.set_defaults(func=cmd_bench)
     s = sub.add_parser("verify", help="read every byte and check the structure")
     s.add_argument("file")
+    _progress_argument(s)
     s.set_defaults(func=cmd_verify)
     return p
 
 
+def _error_text(e: BaseException) -> str:
+    """The message of an expected error: it names the file (OSError's ``filename``)."""
+    if isinstance(e, OSError) and not isinstance(e, TensorStoreError) and e.filename is not None and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    return str(e) or type(e).__name__
+
+
+def _quiet_stdout() -> None:
+    """After a closed pipe: point stdout at /dev/null so that the flush at exit cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass  # not a real file (tests redirect stdout): nothing is flushed at exit
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 error, 2 usage)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
-        return int(args.func(args))
-    except (TensorStoreError, FileNotFoundError, PermissionError, IsADirectoryError, ValueError) as e:
-        print(f"tensorstore-h5: error: {e}", file=sys.stderr)
-        return 1
+        if getattr(args, "check", None) is not None:
+            args.check(args)
+        status = int(args.func(args))
+        sys.stdout.flush()  # here, so that a closed pipe is caught below
+        return status
+    except _UsageError as e:
+        args.command_parser.error(str(e))  # exits with status 2, as argparse's own errors do
+        raise AssertionError("unreachable") from None
+    except BrokenPipeError:  # `tensorstore-h5 ls big.h5 | head`: the reader has gone; stop quietly
+        _quiet_stdout()
+        return _EXIT_ERROR
+    except (TensorStoreError, OSError, ValueError) as e:
+        print(f"tensorstore-h5: error: {_error_text(e)}", file=sys.stderr)
+        return _EXIT_ERROR
     except KeyboardInterrupt:
         return 130
 

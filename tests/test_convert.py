@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ def _bits_equal(a: dict, b: dict) -> None:
     assert sorted(a) == sorted(b)  # safetensors keeps no key order
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
-        assert torch.equal(a[k].contiguous().view(torch.uint8), b[k].contiguous().view(torch.uint8)), k
+        assert torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), k
 
 
 @real
@@ -82,3 +83,154 @@ def test_cli_convert(tmp_path) -> None:
     r = subprocess.run([sys.executable, "-m", "tensorstore_h5", "convert", str(tmp_path / "m.h5"), str(tmp_path / "x.npz")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "unknown file type" in r.stderr and "Traceback" not in r.stderr
+
+
+class _Bars:
+    """Stands in for tqdm.auto.tqdm: records each bar's description, total and updates."""
+
+    def __init__(self) -> None:
+        self.bars: list[dict] = []
+
+    def __call__(self, total=None, desc=None, **kwargs):
+        bar = {"desc": desc, "total": total, "done": 0, "closed": False}
+        self.bars.append(bar)
+        recorder = self
+
+        class Bar:
+            def update(self, n: int) -> None:
+                bar["done"] += n
+
+            def close(self) -> None:
+                bar["closed"] = True
+
+        recorder.last = Bar()
+        return recorder.last
+
+
+@pytest.fixture
+def bars(monkeypatch) -> _Bars:
+    import tqdm.auto
+
+    recorder = _Bars()
+    monkeypatch.setattr(tqdm.auto, "tqdm", recorder)
+    return recorder
+
+
+def _sources(tmp_path) -> tuple[dict, int]:
+    sd = {"a": torch.randn(100, 10), "b": torch.zeros(7, dtype=torch.bfloat16), "c": torch.arange(5)}
+    nbytes = 100 * 10 * 4 + 7 * 2 + 5 * 8
+    save_file(sd, tmp_path / "s.safetensors")
+    torch.save({"m": sd, "epoch": 3}, tmp_path / "t.pt")
+    th5.save({"m": sd, "epoch": 3}, tmp_path / "h.h5")
+    return sd, nbytes
+
+
+def test_every_conversion_shows_a_bar_with_the_total(tmp_path, bars) -> None:
+    sd, nbytes = _sources(tmp_path)
+    cases = [("s.safetensors", "1.h5", {}, ["saving 1.h5"]),
+             ("t.pt", "2.h5", {}, ["saving 2.h5"]),
+             ("h.h5", "3.safetensors", {"select": "m/*"}, ["converting h.h5"]),
+             ("h.h5", "4.h5", {}, ["loading h.h5", "saving 4.h5"]),
+             ("s.safetensors", "5.h5", {"select": "a"}, ["saving 5.h5"])]
+    for src, dst, kw, descs in cases:
+        bars.bars.clear()
+        th5.convert(tmp_path / src, tmp_path / dst, progress=True, **kw)
+        want = 4000 if kw.get("select") == "a" else nbytes
+        assert [b["desc"] for b in bars.bars] == descs, (src, dst)
+        assert all(b["total"] == want and b["done"] == want and b["closed"] for b in bars.bars), (src, dst, bars.bars)
+    bars.bars.clear()
+    th5.convert(tmp_path / "s.safetensors", tmp_path / "6.h5", progress=False)
+    th5.convert(tmp_path / "h.h5", tmp_path / "6.safetensors", select="m/*")  # automatic: small and not interactive
+    assert bars.bars == []
+
+
+def test_cli_progress_flags_reach_the_conversion_and_the_bar(tmp_path, bars, monkeypatch, capsys) -> None:
+    from tensorstore_h5 import cli
+
+    convert_module = sys.modules["tensorstore_h5.convert"]  # th5.convert is the function
+
+    _sd, nbytes = _sources(tmp_path)
+    assert cli.main(["convert", str(tmp_path / "s.safetensors"), str(tmp_path / "x.h5"), "--progress"]) == 0
+    assert [(b["desc"], b["total"], b["done"]) for b in bars.bars] == [("saving x.h5", nbytes, nbytes)]
+    bars.bars.clear()
+    assert cli.main(["verify", str(tmp_path / "h.h5"), "--progress"]) == 0
+    assert [(b["desc"], b["total"], b["done"]) for b in bars.bars] == [("verifying h.h5", nbytes, nbytes)]
+    assert "OK, 4 keys" in capsys.readouterr().out
+    seen: list = []
+    monkeypatch.setattr(convert_module, "convert", lambda src, dst, **kw: (seen.append(kw["progress"]),
+                                                                        th5.save({}, dst)))
+    for flags, want in (([], None), (["--progress"], True), (["--no-progress"], False)):
+        assert cli.main(["convert", str(tmp_path / "h.h5"), str(tmp_path / "y.h5"), *flags]) == 0
+        assert seen.pop() is want
+
+
+def test_h5_to_safetensors_streams_every_dtype_safetensors_holds(tmp_path) -> None:
+    import safetensors.torch
+    from safetensors import safe_open
+
+    from helpers import random_tensor
+    from tensorstore_h5.convert import _SAFETENSORS_DTYPES
+
+    known = {str(dt).removeprefix("torch."): code for code, dt in safetensors.torch._TYPES.items()}
+    assert _SAFETENSORS_DTYPES == known  # the same dtypes as the installed safetensors
+    base = torch.randn(4, 6)
+    sd = {name: random_tensor((3, 5), getattr(torch, name), seed=i) for i, name in enumerate(known)}
+    sd.update({"empty": torch.empty(0, 4), "scalar": torch.tensor(2.5), "t": base.t(), "t_again": base.t(),
+               "step": base[::2], "ü/key": torch.ones(2)})
+    th5.save(sd, tmp_path / "all.h5", metadata={"run": "x", "n": 3})
+    th5.convert(tmp_path / "all.h5", tmp_path / "all.safetensors")
+    _bits_equal(load_file(tmp_path / "all.safetensors"), {k.replace("/", "%2F"): v for k, v in sd.items()})
+    with safe_open(tmp_path / "all.safetensors", "pt") as f:
+        assert f.metadata() == {"run": "x", "n": "3"}
+    th5.convert(tmp_path / "all.h5", tmp_path / "m.safetensors", select="t*", metadata={"only": "this"})
+    with safe_open(tmp_path / "m.safetensors", "pt") as f:
+        assert f.metadata() == {"only": "this"} and sorted(f.keys()) == ["t", "t_again"]
+    assert sorted(os.listdir(tmp_path)) == ["all.h5", "all.safetensors", "m.safetensors"]  # no temporaries
+
+
+def test_h5_to_safetensors_refuses_before_writing_and_leaves_nothing(tmp_path) -> None:
+    th5.save({"a": torch.ones(4), "c": torch.zeros(2, dtype=torch.complex128)}, tmp_path / "c.h5")
+    with pytest.raises(th5.UnsupportedTypeError, match="'c' has dtype complex128.*nothing was written"):
+        th5.convert(tmp_path / "c.h5", tmp_path / "c.safetensors")
+    # a damaged source: the checksum fails half-way through the copy
+    marker = torch.full((4096,), 0x5A, dtype=torch.uint8)
+    th5.save({"a": torch.ones(1000), "z": marker}, tmp_path / "d.h5")
+    data = bytearray((tmp_path / "d.h5").read_bytes())
+    data[data.index(bytes(marker.numpy())) + 100] ^= 0xFF
+    (tmp_path / "d.h5").write_bytes(bytes(data))
+    (tmp_path / "d.safetensors").write_bytes(b"earlier file")
+    with pytest.raises(th5.FormatError, match="d.h5"):
+        th5.convert(tmp_path / "d.h5", tmp_path / "d.safetensors")
+    assert (tmp_path / "d.safetensors").read_bytes() == b"earlier file"
+    assert sorted(os.listdir(tmp_path)) == ["c.h5", "d.h5", "d.safetensors"]
+
+
+def test_h5_to_safetensors_write_errors_name_the_destination(tmp_path, monkeypatch) -> None:
+    import errno
+
+    th5.save({"a": torch.ones(4)}, tmp_path / "a.h5")
+
+    def disk_full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    with pytest.raises(th5.WriteError, match=r"a.safetensors: cannot be written \(No space left on device\); nothing"):
+        th5.convert(tmp_path / "a.h5", tmp_path / "a.safetensors")
+    assert sorted(os.listdir(tmp_path)) == ["a.h5"]
+
+
+def test_convert_checks_its_arguments_first(tmp_path) -> None:
+    _sources(tmp_path)
+    with pytest.raises(ValueError, match="x.safetensors: compression= cannot be used for a .safetensors destination"):
+        th5.convert(tmp_path / "h.h5", tmp_path / "x.safetensors", compression="lz4")
+    with pytest.raises(ValueError, match="select applies to an .h5 or .safetensors source"):
+        th5.convert(tmp_path / "t.pt", tmp_path / "x.h5", select="m/*")
+    with pytest.raises(th5.KeyNotFoundError, match="no key matches 'zz\\*'"):
+        th5.convert(tmp_path / "s.safetensors", tmp_path / "x.h5", select="zz*")
+    with pytest.raises(th5.KeyNotFoundError, match="no key 'bb'; closest keys: 'b'"):
+        th5.convert(tmp_path / "s.safetensors", tmp_path / "x.h5", select=["a", "bb"])
+    with pytest.raises(FileNotFoundError, match="the directory .*nodir' does not exist"):
+        th5.convert(tmp_path / "h.h5", tmp_path / "nodir" / "x.h5")
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        th5.convert(tmp_path / "h.h5", tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["h.h5", "s.safetensors", "t.pt"]

@@ -1117,6 +1117,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import argparse
 
+    from .bench_args import add_arguments
+
     p = argparse.ArgumentParser(prog="tensorstore-h5 bench")
     add_arguments(p)
     return run_args(p.parse_args(args))
@@ -1146,30 +1148,6 @@ def run_args(a: Any) -> int:
         return 1
     run(a.size_gb, a.keys, a.repeat, a.only, a.dir, a.json, gpu=a.gpu, settle=a.settle, profile=a.profile, cold=a.cold)
     return 0
-
-
-def add_arguments(p: Any) -> None:
-    p.add_argument("--size-gb", type=float, default=2.0, help="checkpoint size in GB (10**9 bytes)")
-    p.add_argument("--keys", type=int, default=300, help="about how many tensors")
-    p.add_argument("--repeat", type=int, default=3, help="runs per contender (best and median are reported)")
-    p.add_argument("--only", help="comma-separated substrings of contender names")
-    p.add_argument("--dir", help="where to put the files (default: the temp dir)")
-    p.add_argument("--json", help="also write the results to this JSON file")
-    p.add_argument("--settle", type=float, default=None,
-                   help="seconds from one worker's exit (or its set-up's removing a file) to the timed operation "
-                        "of a read or a write (default: 3 on a VM that reports free memory to its hypervisor, "
-                        "else 0; 0: no wait)")
-    p.add_argument("--profile", type=int, nargs="?", const=25, default=0, metavar="N",
-                   help="run each operation under cProfile and print the N (default 25) costliest functions "
-                        "of each contender's fastest run; use with --only")
-    p.add_argument("--compression", action="store_true", help="measure the compression presets on real weights instead")
-    p.add_argument("--remote", action="store_true",
-                   help="measure loads over HTTP (a loopback server, with and without 20 ms latency) instead; "
-                        "0.5 GB unless --size-gb says otherwise")
-    p.add_argument("--gpu", action="store_true", help="add the CUDA contenders (G.): loads to the GPU against their limits")
-    p.add_argument("--cold", action="store_true",
-                   help="add the cold-cache contenders (C.; root drops the page cache before each) against the disk's "
-                        "O_DIRECT and buffered read limits")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,7 @@
 """The ``tensorstore-h5`` command (also ``python -m tensorstore_h5``).
 
 Building the parser imports no torch (about 2 s): ``--help``, ``<command> --help`` and usage
-errors answer at once; each command imports what it needs when it runs. (``bench --help`` is
-the exception: its arguments are defined in :mod:`tensorstore_h5.bench`, which imports torch.)
+errors answer at once; each command imports what it needs when it runs.
 """
 
 from __future__ import annotations
@@ -15,16 +14,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from .constants import FORMAT_VERSION, PRESET_NAMES
 from .convert import SUFFIXES, format_of
 from .display import AUTO_PROGRESS_BYTES, human_bytes
 from .errors import KeyNotFoundError, TensorStoreError
 
 __all__ = ["main", "build_parser"]
-
-FORMAT_VERSION = 2
-"""``format.FORMAT_VERSION``, for the parser's description (tests/test_cli_lazy.py checks they agree)."""
-PRESET_NAMES = ("best", "lz4", "zstd")
-"""``sorted(compression.PRESETS)``, for ``--compression`` (tests/test_cli_lazy.py checks they agree)."""
 
 _EXIT_OK, _EXIT_ERROR = 0, 1  # argparse exits with 2 for usage errors
 
@@ -325,7 +320,7 @@ def _at_least_one(text: str) -> int:
 
 
 def _bench_arguments(p: argparse.ArgumentParser) -> None:
-    from .bench import add_arguments  # imports torch
+    from .bench_args import add_arguments
 
     add_arguments(p)
 

@@ -46,7 +46,7 @@ def _bitshuffle_lz4() -> Any:
     return hdf5plugin.Bitshuffle(cname="lz4")
 
 
-PRESETS: dict[str, Callable[[], Any]] = {
+PRESETS: dict[str, Callable[[], Any]] = {  # keys: constants.PRESET_NAMES (checked by the tests)
     "lz4": _bitshuffle_lz4,
     "zstd": lambda: _blosc2("zstd", 3),
     "best": lambda: _blosc2("zstd", 9),

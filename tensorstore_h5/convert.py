@@ -129,9 +129,9 @@ def _h5_to_h5(src: str, dst: str, select: Any, progress: bool | None, options: d
         if select is not None and not store.selected_keys(select):
             raise _nothing_selected(src, select)
         meta = options.pop("metadata", store.metadata)
-        obj = store.load(select=select, verify=True, progress=progress)  # its own bar: "loading <src>"
-    with Writer(dst, metadata=meta, progress=progress, **options) as w:
-        w.write_root(obj)  # announces the total: "saving <dst>"
+        with Writer(dst, metadata=meta, progress=progress, **options) as w:  # key by key: bounded memory
+            w.expect_bytes(store.nbytes_of(select))
+            w.write_tree(store.walk(select, verify=True))
 
 
 def _safetensors_sizes(path: str) -> dict[str, int]:
@@ -169,7 +169,7 @@ def _from_safetensors(src: str, dst: str, select: Any, progress: bool | None, op
             meta = dict(f.metadata() or {})
         with Writer(dst, metadata=meta, progress=progress, **options) as w:
             # Key by key, so the writer learns the total from here (write_root announces its own).
-            w._progress.total(sum(sizes.get(key, 0) for key in names.values()))
+            w.expect_bytes(sum(sizes.get(key, 0) for key in names.values()))
             for path, key in names.items():
                 w.write(path, f.get_tensor(key))
 

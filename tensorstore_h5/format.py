@@ -23,6 +23,7 @@ import numpy as np
 
 from . import checksum, tree
 from .dtypes import DtypeSpec, spec_for_name
+from .constants import FORMAT_VERSION
 from .errors import FormatError
 from .slicing import contiguous_stride, has_gaps, stride_span
 from .tree import Container
@@ -37,8 +38,6 @@ __all__ = [
 ]
 
 FORMAT_NAME = "tensorstore_h5"
-FORMAT_VERSION = 2
-"""The version this library writes."""
 READ_VERSIONS = (1, 2)
 """The versions this library reads; readers refuse any other."""
 

@@ -300,6 +300,31 @@ class Store:
                     self._rawfile().prefetch(self._ranges(entry))
                 yield entry.path, self._read_leaf(entry, alive, device, fmap, None, verify)
 
+    def walk(self, select: Selector = None, *, verify: bool = False) -> Iterator[Container | Leaf]:
+        """The selected part of the file as ``tree.flatten`` gives an object: containers and
+        leaves in pre-order, each leaf read when it is reached (tied tensors come back as one
+        while alive). What :meth:`Writer.write_tree` takes, to copy a file key by key."""
+        included = resolve(select, self._leaf_paths, self._container_paths, self.path)
+        entries = self._layout.select(included)
+        tied = {e.same_as for e in entries if isinstance(e, TensorEntry) and e.same_as is not None}
+        alive: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+        kept: dict[str, torch.Tensor] = {}  # tensors that a later key is tied to: one object for both
+        for entry in entries:
+            if isinstance(entry, Container):
+                yield entry
+            else:
+                if not self._local:
+                    self._rawfile().prefetch(self._ranges(entry))
+                value = self._read_leaf(entry, alive, None, None, None, verify)
+                if entry.path in tied:
+                    kept[entry.path] = value
+                yield Leaf(entry.path, entry.key, value)
+
+    def nbytes_of(self, select: Selector = None) -> int:
+        """Bytes of tensor and array data that ``select`` picks (tied tensors counted once)."""
+        included = resolve(select, self._leaf_paths, self._container_paths, self.path)
+        return sum(_data_bytes(e) for e in self._layout.select(included) if not isinstance(e, Container))
+
     def selected_keys(self, select: Selector = None) -> list[str]:
         """The leaf key paths that ``select`` picks, in saved order (see :meth:`load`)."""
         included = resolve(select, self._leaf_paths, self._container_paths, self.path)

@@ -19,7 +19,7 @@ import stat
 import threading
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import h5py
@@ -102,6 +102,16 @@ def _check_array(a: np.ndarray, path: str) -> None:
         )
 
 
+def _check_leaf(value: Any, path: str) -> None:
+    """Raise UnsupportedTypeError naming ``path`` unless ``value`` is a storable leaf."""
+    if isinstance(value, torch.Tensor):
+        _plain(value, path)
+    elif isinstance(value, np.ndarray):
+        _check_array(value, path)
+    else:
+        tree.encode_value(value, path)  # containers are not values: refused here too
+
+
 def prepare(obj: Any, file: str, root: str = "", key: Any = None) -> list[Container | Leaf]:
     """Flatten ``obj`` and check every leaf before anything is written.
 
@@ -111,10 +121,7 @@ def prepare(obj: Any, file: str, root: str = "", key: Any = None) -> list[Contai
         nodes = tree.flatten(obj, root, key)
         for node in nodes:
             if isinstance(node, Leaf):
-                if isinstance(node.value, torch.Tensor):
-                    _plain(node.value, node.path)
-                elif isinstance(node.value, np.ndarray):
-                    _check_array(node.value, node.path)
+                _check_leaf(node.value, node.path)
     except UnsupportedTypeError as e:
         raise UnsupportedTypeError(f"{file}: {e}; nothing was written") from None
     return nodes
@@ -399,11 +406,35 @@ class Writer:
         """Write ``obj`` as the whole file (what :func:`save` does); only before any other write."""
         self._write_root(prepare(obj, self.path))
 
+    def expect_bytes(self, nbytes: int) -> None:
+        """Announce how many bytes of tensor data the writes will bring (the progress bar's total)."""
+        self._progress.total(nbytes)
+
+    def write_tree(self, nodes: Iterable[Container | Leaf]) -> None:
+        """Write a whole tree given as its containers and leaves in pre-order (root first, as
+        ``tree.flatten`` makes them), consuming them one at a time: a tree streamed from
+        another file is never held in memory whole. Only before any other write.
+
+        Raises UnsupportedTypeError for a leaf that cannot be stored (then nothing of this
+        writer's file is kept: abort it)."""
+        self._check_open()
+        if len(self._entries) > 1:
+            raise ValueError(f"{self.path}: write_tree must come before any other write")
+        self._entries.clear()
+        self._index.clear()
+        for node in nodes:
+            if isinstance(node, Leaf):
+                try:
+                    _check_leaf(node.value, node.path)
+                except UnsupportedTypeError as e:
+                    raise UnsupportedTypeError(f"{self.path}: {e}") from None
+            self._write_nodes([node])
+
     def _write_root(self, nodes: list[Container | Leaf]) -> None:
         self._check_open()
         if len(self._entries) > 1:
             raise ValueError(f"{self.path}: write_root must come before any other write")
-        self._progress.total(sum(_nbytes(n.value) for n in nodes if isinstance(n, Leaf)))
+        self._progress.total(_unique_nbytes(n.value for n in nodes if isinstance(n, Leaf)))
         self._entries.clear()
         self._index.clear()
         self._write_nodes(nodes)
@@ -554,12 +585,20 @@ def _dcpl() -> h5py.h5p.PropDCID:
     return dcpl
 
 
-def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, np.ndarray):
-        return value.nbytes
-    return 0
+def _unique_nbytes(values: Iterable[Any]) -> int:
+    """Bytes of tensor and array data among ``values``, tensors that are one view counted once."""
+    seen: set[tuple[Any, ...]] = set()
+    total = 0
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            key = Writer._alias_key(value.detach())
+            if key is None or key not in seen:
+                total += value.numel() * value.element_size()
+                if key is not None:
+                    seen.add(key)
+        elif isinstance(value, np.ndarray):
+            total += value.nbytes
+    return total
 
 
 class _Replaced:

@@ -130,7 +130,7 @@ def test_every_conversion_shows_a_bar_with_the_total(tmp_path, bars) -> None:
     cases = [("s.safetensors", "1.h5", {}, ["saving 1.h5"]),
              ("t.pt", "2.h5", {}, ["saving 2.h5"]),
              ("h.h5", "3.safetensors", {"select": "m/*"}, ["converting h.h5"]),
-             ("h.h5", "4.h5", {}, ["loading h.h5", "saving 4.h5"]),
+             ("h.h5", "4.h5", {}, ["saving 4.h5"]),  # read and written key by key: one bar
              ("s.safetensors", "5.h5", {"select": "a"}, ["saving 5.h5"])]
     for src, dst, kw, descs in cases:
         bars.bars.clear()
@@ -234,3 +234,36 @@ def test_convert_checks_its_arguments_first(tmp_path) -> None:
     with pytest.raises(IsADirectoryError, match="is a directory"):
         th5.convert(tmp_path / "h.h5", tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["h.h5", "s.safetensors", "t.pt"]
+
+
+def test_h5_to_h5_streams_key_by_key_and_keeps_ties_and_versions(tmp_path, monkeypatch) -> None:
+    import gc
+    import weakref
+    from collections import OrderedDict
+
+    from tensorstore_h5.store import Store
+
+    sd = OrderedDict((f"w{i}", torch.randn(64, 32)) for i in range(12))
+    sd["head"] = sd["w0"]
+    sd._metadata = OrderedDict([("", {"version": 3})])
+    th5.save({"model": sd, "step": 7, "betas": (0.9, 0.99)}, tmp_path / "a.h5")
+    alive = []
+    real = Store._read_leaf
+
+    def counting(self, entry, *args):
+        value = real(self, entry, *args)
+        if isinstance(value, torch.Tensor):
+            alive.append((entry.path, weakref.ref(value)))
+            gc.collect()
+            live = [p for p, r in alive if r() is not None]
+            assert len(live) <= 3, f"the whole file was held in memory: {live}"  # w0 (tied), the last two
+        return value
+
+    monkeypatch.setattr(Store, "_read_leaf", counting)
+    th5.convert(tmp_path / "a.h5", tmp_path / "b.h5", compression="lz4")
+    monkeypatch.undo()
+    assert len(alive) == 13
+    out = th5.load(tmp_path / "b.h5", verify=True)
+    assert out["model"]["head"] is out["model"]["w0"] and out["model"]._metadata == sd._metadata
+    assert out["step"] == 7 and out["betas"] == (0.9, 0.99)
+    assert all(torch.equal(out["model"][k], v) for k, v in sd.items())

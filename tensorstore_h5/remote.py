@@ -12,6 +12,7 @@ fsspec (and s3fs for ``s3://``) are optional: ``pip install "tensorstore_h5[remo
 
 from __future__ import annotations
 
+import bisect
 import io as stdio
 import os
 import threading
@@ -22,7 +23,7 @@ from typing import Any
 from . import io
 from .errors import TensorStoreError
 
-__all__ = ["RETRIES", "MAX_GAP", "BATCH_BYTES", "is_url", "is_fileobj", "open_source", "RemoteSource", "FileObjSource",
+__all__ = ["RETRIES", "MAX_GAP", "REQUEST_BYTES", "BATCH_BYTES", "is_url", "is_fileobj", "open_source", "RemoteSource", "FileObjSource",
            "RemoteError", "upload"]
 
 RETRIES = 3
@@ -33,6 +34,9 @@ BACKOFF = 0.2
 
 MAX_GAP = 1 << 20
 """Ranges closer than this many bytes are fetched by one request (the gap is read and dropped)."""
+
+REQUEST_BYTES = 8 << 20
+"""Longer ranges are split into requests of this many bytes, fetched concurrently."""
 
 BATCH_BYTES = 256 * 2**20
 """A load of a remote file prefetches at most about this many bytes at a time."""
@@ -174,15 +178,23 @@ class RemoteSource:
     # -- the source interface
 
     def pread(self, offset: int, view: memoryview) -> None:
-        """Fill ``view`` with the bytes at ``offset``, from the prefetched ranges when they
-        hold them, else with one request."""
-        n = len(view)
+        """Fill ``view`` with the bytes at ``offset``: from the prefetched ranges where they
+        hold them (consecutive requests of one range included), else with one request."""
+        n, done = len(view), 0
         with self._lock:
-            for start, data in self._cache:
-                if start <= offset and offset + n <= start + len(data):
-                    view[:] = data[offset - start:offset - start + n]
-                    return
-        view[:] = self._get(offset, offset + n)
+            cache = self._cache
+        i = bisect.bisect_right(cache, offset, key=lambda c: c[0]) - 1
+        while done < n and 0 <= i < len(cache):
+            start, data = cache[i]
+            at = offset + done
+            if not start <= at < start + len(data):
+                break
+            take = min(n - done, start + len(data) - at)
+            view[done:done + take] = data[at - start:at - start + take]
+            done += take
+            i += 1
+        if done < n:
+            view[done:] = self._get(offset + done, offset + n)
 
     def read(self, offset: int, nbytes: int) -> bytes:
         buf = bytearray(nbytes)
@@ -194,12 +206,13 @@ class RemoteSource:
         (closer than :data:`MAX_GAP`) by one request, the rest concurrently. Replaces what
         was prefetched before."""
         spans = sorted((o, o + n) for o, n in ranges if n > 0)
-        merged: list[list[int]] = []
+        joined: list[list[int]] = []
         for a, b in spans:
-            if merged and a <= merged[-1][1] + MAX_GAP:
-                merged[-1][1] = max(merged[-1][1], b)
+            if joined and a <= joined[-1][1] + MAX_GAP:
+                joined[-1][1] = max(joined[-1][1], b)
             else:
-                merged.append([a, b])
+                joined.append([a, b])
+        merged = [[s, min(b, s + REQUEST_BYTES)] for a, b in joined for s in range(a, b, REQUEST_BYTES)]
         if not merged:
             self.release()
             return

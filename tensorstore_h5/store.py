@@ -300,6 +300,28 @@ class Store:
                     self._rawfile().prefetch(self._ranges(entry))
                 yield entry.path, self._read_leaf(entry, alive, device, fmap, None, verify)
 
+    def read_many(self, selections: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """A part of each of several tensors: ``{key path: index}`` (what ``h[index]`` takes;
+        ``...`` for all of it) to ``{key path: new CPU tensor}``. Over a URL, every range they
+        touch is fetched at once (neighbours in one request, the rest concurrently) instead
+        of one round trip per tensor.
+
+        Raises KeyNotFoundError, IndexError, FormatError as :meth:`TensorHandle.read` does.
+        """
+        parts = []
+        for key, index in selections.items():
+            entry = self._entry(key)
+            if not isinstance(entry, TensorEntry):
+                raise KeyNotFoundError(f"{self.path}: {key!r} is not a tensor")
+            parts.append((key, entry, select_index(index, entry.shape)))
+        raw = self._rawfile()
+        try:
+            if not self._local:
+                raw.prefetch([r for _, entry, sel in parts if not sel.empty for r in self._ranges(entry, sel)])
+            return {key: self._read_tensor(entry, sel, None, restore_layout=False) for key, entry, sel in parts}
+        finally:
+            raw.release()
+
     def walk(self, select: Selector = None, *, verify: bool = False) -> Iterator[Container | Leaf]:
         """The selected part of the file as ``tree.flatten`` gives an object: containers and
         leaves in pre-order, each leaf read when it is reached (tied tensors come back as one

@@ -92,6 +92,19 @@ def test_row_slices_and_compressed_slices_fetch_only_their_ranges(served, server
         assert len(server.requests) == 1  # neighbouring chunks in one request
 
 
+def test_slices_of_many_tensors_come_in_one_round_trip(served, server) -> None:
+    _, objs = served
+    with th5.open(server.url("big.h5")) as s:
+        server.reset()
+        parts = s.read_many({k: slice(0, 5) for k in list(objs["big"])[:50]})
+        assert all(torch.equal(parts[k], objs["big"][k][:5]) for k in parts) and len(parts) == 50
+        assert server.bytes_sent == 50 * 5 * 1024 * 4 and len(server.requests) == 50  # concurrent, one each
+        local = th5.open(server.root / "big.h5")
+        assert torch.equal(local.read_many({"layers.1.weight": (3, slice(2, 9))})["layers.1.weight"],
+                           objs["big"]["layers.1.weight"][3, 2:9])
+        local.close()
+
+
 def test_every_read_path_over_http_returns_what_was_saved(served, server) -> None:
     _, objs = served
     url = server.url("small.h5")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import io as stdio
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,8 +39,9 @@ MAX_GAP = 1 << 20
 REQUEST_BYTES = 8 << 20
 """Longer ranges are split into requests of this many bytes, fetched concurrently."""
 
-BATCH_BYTES = 256 * 2**20
-"""A load of a remote file prefetches at most about this many bytes at a time."""
+BATCH_BYTES = 64 * 2**20
+"""A load of a remote file fetches about this many bytes at a time, the next batch while the
+tensors of the current one are filled (so at most about two batches are held)."""
 
 
 class RemoteError(TensorStoreError, OSError):
@@ -88,17 +90,32 @@ def open_source(target: Any, storage_options: dict[str, Any] | None = None, retr
     raise TypeError(f"expected a path, a URL or a binary file object, got {type(target).__name__}")
 
 
+def _status(e: BaseException) -> int | None:
+    """The HTTP status an error carries (aiohttp's ``status``, botocore's response), if any."""
+    status = getattr(e, "status", None) or getattr(e, "code", None)
+    if isinstance(status, int):
+        return status
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(status, int):
+            return status
+    # Otherwise a status in the message, outside any URL (whose port may be 40399).
+    m = re.search(r"(?<![\d.])([45]\d\d)(?!\d)", re.sub(r"\w+://\S+", "", str(e)))
+    return int(m.group(1)) if m else None
+
+
 def _transient(e: BaseException) -> bool:
     """Errors worth another try: connections dropped or refused, timeouts, server errors."""
     if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
     text = f"{type(e).__name__} {e}"
-    if any(s in text for s in ("403", "404", "Forbidden", "Not Found", "NoSuchKey", "AccessDenied", "NoSuchBucket")):
-        return False
-    if isinstance(e, (ConnectionError, TimeoutError, EOFError)):
-        return True
-    return any(s in text for s in ("Connection", "Disconnected", "Timeout", "ClientPayloadError", "ServerDisconnected",
-                                   "500", "502", "503", "504", "IncompleteRead", "reset by peer"))
+    if isinstance(e, (ConnectionError, TimeoutError, EOFError)) or any(
+            s in text for s in ("Connection", "Disconnected", "Timeout", "ClientPayloadError", "IncompleteRead",
+                                "reset by peer", "SlowDown", "InternalError", "ServiceUnavailable")):
+        return True  # dropped, cut short or throttled: the next try may work
+    status = _status(e)
+    return status is not None and (status >= 500 or status in (408, 429))
 
 
 class RemoteSource:
@@ -135,8 +152,9 @@ class RemoteSource:
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
                 if attempt == self.retries or not _transient(e):
-                    kind = "not found" if isinstance(e, FileNotFoundError) else \
-                        "access denied" if isinstance(e, PermissionError) or "403" in str(e) else "request failed"
+                    status = _status(e)
+                    kind = "not found" if isinstance(e, FileNotFoundError) or status == 404 else \
+                        "access denied" if isinstance(e, PermissionError) or status in (401, 403) else "request failed"
                     tries = f" after {attempt + 1} tries" if attempt else ""
                     raise RemoteError(f"{self.path}: {what}: {kind}{tries} ({type(e).__name__}: {e})") from e
                 time.sleep(delay)
@@ -202,9 +220,17 @@ class RemoteSource:
         return bytes(buf)
 
     def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:
-        """Fetch ``(offset, nbytes)`` ranges for the reads that follow: neighbouring ones
-        (closer than :data:`MAX_GAP`) by one request, the rest concurrently. Replaces what
-        was prefetched before."""
+        """Fetch ``(offset, nbytes)`` ranges for the reads that follow (see :meth:`fetch`).
+        Replaces what was prefetched before."""
+        self.use(self.fetch(ranges))
+
+    def fetch(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, bytes]]:
+        """The bytes of ``(offset, nbytes)`` ranges as sorted ``(start, data)`` pieces, for
+        :meth:`use`: neighbouring ranges (closer than :data:`MAX_GAP`) by one request, long
+        ones split at :data:`REQUEST_BYTES`, all requests concurrent. Safe from any thread.
+
+        Raises RemoteError (naming the URL) when a request fails for good or a server
+        ignores or cuts a range."""
         spans = sorted((o, o + n) for o, n in ranges if n > 0)
         joined: list[list[int]] = []
         for a, b in spans:
@@ -214,11 +240,14 @@ class RemoteSource:
                 joined.append([a, b])
         merged = [[s, min(b, s + REQUEST_BYTES)] for a, b in joined for s in range(a, b, REQUEST_BYTES)]
         if not merged:
-            self.release()
-            return
+            return []
         fetched = self._call(f"{len(merged)} byte ranges", lambda: self._cat_ranges(merged))
+        return sorted(zip((a for a, _ in merged), fetched))
+
+    def use(self, pieces: list[tuple[int, bytes]]) -> None:
+        """Serve reads from ``pieces`` (from :meth:`fetch`), dropping what was there before."""
         with self._lock:
-            self._cache = sorted(zip((a for a, _ in merged), fetched))
+            self._cache = pieces
 
     def _cat_ranges(self, merged: list[list[int]]) -> list[bytes]:
         out = self._fs.cat_ranges([self._key] * len(merged), [a for a, _ in merged], [b for _, b in merged],
@@ -299,6 +328,12 @@ class FileObjSource:
         return self.read(0, min(self.size, nbytes))
 
     def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:
+        pass  # read where it lies, as a local file
+
+    def fetch(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, bytes]]:
+        return []
+
+    def use(self, pieces: list[tuple[int, bytes]]) -> None:
         pass
 
     def release(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Union
@@ -389,27 +390,38 @@ class Store:
         return tree.inflate(items)
 
     def _fetched(self, entries: list[Any]) -> Iterator[list[Any]]:
-        """``entries`` in groups whose stored bytes a remote source has prefetched (about
-        :data:`remote.BATCH_BYTES` a group, neighbouring ranges in one request); one group,
-        nothing fetched, for a local file."""
+        """``entries`` in groups whose stored bytes a remote source has fetched (about
+        :data:`remote.BATCH_BYTES` a group, neighbouring ranges in one request); the next
+        group's bytes download while the caller reads the current one. One group, nothing
+        fetched, for a local file."""
         if self._local:
             yield entries
             return
         raw = self._rawfile()
-        group: list[Any] = []
-        ranges: list[tuple[int, int]] = []
+        groups: list[tuple[list[Any], list[tuple[int, int]]]] = [([], [])]
+        size = 0
+        for entry in entries:
+            more = self._ranges(entry)
+            grow = sum(n for _, n in more)
+            if groups[-1][0] and size and size + grow > remote.BATCH_BYTES:
+                groups.append(([], []))
+                size = 0
+            groups[-1][0].append(entry)
+            groups[-1][1].extend(more)
+            size += grow
+        pool = ThreadPoolExecutor(1, thread_name_prefix="th5-fetch")
         try:
-            for entry in entries:
-                more = self._ranges(entry)
-                if group and ranges and sum(n for _, n in ranges) + sum(n for _, n in more) > remote.BATCH_BYTES:
-                    raw.prefetch(ranges)
-                    yield group
-                    group, ranges = [], []
-                group.append(entry)
-                ranges.extend(more)
-            raw.prefetch(ranges)
-            yield group
+            ahead = pool.submit(raw.fetch, groups[0][1])
+            for k, (group, _) in enumerate(groups):
+                pieces = ahead.result()
+                if k + 1 < len(groups):
+                    ahead = pool.submit(raw.fetch, groups[k + 1][1])
+                raw.use(pieces)
+                del pieces
+                yield group
         finally:
+            ahead.cancel()
+            pool.shutdown(wait=True)
             raw.release()
 
     def _ranges(self, entry: Any, sel: Selection | None = None) -> list[tuple[int, int]]:

@@ -129,6 +129,41 @@ def test_a_full_remote_load_fetches_in_batches_of_bounded_size(served, server, m
     assert max(body) <= 16 * 2**20 + remote.MAX_GAP and len(body) >= 200 * 2**20 // (17 * 2**20)
 
 
+def test_the_next_batch_downloads_while_the_current_one_is_read(served, server, monkeypatch) -> None:
+    """Reading batch k waits until the fetch of batch k+1 has begun: a load that fetched and
+    then read, batch after batch, would time out here. At most two batches are ever held."""
+    import threading
+
+    _, objs = served
+    monkeypatch.setattr(remote, "BATCH_BYTES", 64 * 2**20)
+    fetches: list[int] = []
+    held: list[int] = []
+    begun = threading.Event()
+    real_fetch, real_use, real_pread = remote.RemoteSource.fetch, remote.RemoteSource.use, remote.RemoteSource.pread
+
+    def fetch(self, ranges):
+        fetches.append(sum(n for _, n in ranges))
+        if len(fetches) >= 2:
+            begun.set()
+        return real_fetch(self, ranges)
+
+    def use(self, pieces):
+        held.append(sum(len(d) for _, d in pieces))
+        return real_use(self, pieces)
+
+    def pread(self, offset, view):
+        if len(view) > 1 << 20 and len(held) == 1:  # tensor data of the first batch
+            assert begun.wait(10), "the second batch was not being fetched while the first was read"
+        return real_pread(self, offset, view)
+
+    monkeypatch.setattr(remote.RemoteSource, "fetch", fetch)
+    monkeypatch.setattr(remote.RemoteSource, "use", use)
+    monkeypatch.setattr(remote.RemoteSource, "pread", pread)
+    out = th5.load(server.url("big.h5"))
+    assert all(torch.equal(out[k], v) for k, v in objs["big"].items())
+    assert len(fetches) == 4 and max(fetches) <= 64 * 2**20 + 2 * 2**20 and max(held) <= 64 * 2**20 + remote.MAX_GAP
+
+
 @pytest.mark.parametrize("status, words", [(404, "not found"), (403, "access denied"), (500, "request failed after")])
 def test_http_errors_name_the_url(served, server, status, words, monkeypatch) -> None:
     monkeypatch.setattr(remote, "BACKOFF", 0.01)
@@ -258,3 +293,15 @@ def test_a_failed_s3_save_leaves_no_object(s3) -> None:
     assert not fs.exists("ckpts/bad.h5")
     with pytest.raises(th5.TensorStoreError, match="s3://ckpts/absent.h5: .*not found"):
         th5.load("s3://ckpts/absent.h5", storage_options=options)
+
+
+def test_error_kinds_come_from_the_status_not_from_digits_in_the_url() -> None:
+    class ClientError(Exception):
+        pass
+
+    url = "http://127.0.0.1:40399/x.h5"  # a port with 403 and 404 in it
+    assert remote._status(ClientError(f"500, message='Internal Server Error', url='{url}'")) == 500
+    assert remote._status(ClientError(f"Server disconnected, url='{url}'")) is None
+    assert remote._transient(ClientError(f"500, message='Internal Server Error', url='{url}'"))
+    assert not remote._transient(ClientError("An error occurred (403) when calling GetObject: Forbidden"))
+    assert remote._transient(ClientError(f"Connection reset by peer: {url}"))

@@ -28,19 +28,20 @@ from .errors import (
 )
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
-    from .api import LoadResult, load, load_into
+    from .api import LoadResult, load, load_into, open
     from .background import save_async
     from .compression import PRESETS
     from .constants import FORMAT_VERSION
+    from .sharded import ShardedStore
     from .store import Store, TensorHandle
-    from .store import open_store as open
     from .tree import escape, unescape
     from .writer import Writer, save
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "save_async", "load", "load_into", "open", "convert", "Store", "TensorHandle", "Writer", "LoadResult",
+    "save", "save_async", "load", "load_into", "open", "convert", "Store", "ShardedStore", "TensorHandle", "Writer",
+    "LoadResult",
     "escape", "unescape", "PRESETS", "FORMAT_VERSION",
     "TensorStoreError", "FormatError", "UnsupportedTypeError", "KeyNotFoundError", "MismatchError", "WriteError",
     "TensorStoreWarning", "__version__",
@@ -49,17 +50,18 @@ __all__ = [
 
 def _import_all() -> None:
     """Import the modules that need torch and bind their public names here (idempotent)."""
-    from .api import LoadResult, load, load_into
+    from .api import LoadResult, load, load_into, open
     from .background import save_async
     from .compression import PRESETS
     from .constants import FORMAT_VERSION
+    from .sharded import ShardedStore
     from .store import Store, TensorHandle
-    from .store import open_store as open
     from .tree import escape, unescape
     from .writer import Writer, save
 
     globals().update(LoadResult=LoadResult, load=load, load_into=load_into, save_async=save_async, PRESETS=PRESETS,
-                     FORMAT_VERSION=FORMAT_VERSION, Store=Store, TensorHandle=TensorHandle, open=open, escape=escape,
+                     FORMAT_VERSION=FORMAT_VERSION, Store=Store, ShardedStore=ShardedStore, TensorHandle=TensorHandle,
+                     open=open, escape=escape,
                      unescape=unescape, Writer=Writer, save=save)
 
 

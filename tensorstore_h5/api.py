@@ -13,6 +13,7 @@ from . import tree
 from .errors import MismatchError
 from .format import Container, TensorEntry
 from .select import Selector
+from .sharded import ShardedStore
 from .store import Device, Store
 
 __all__ = ["load", "load_into", "LoadResult"]
@@ -21,6 +22,27 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 NAMED_KEYS = 5
 """Error messages name at most this many keys, then say how many more."""
+
+
+def _is_directory(path: Any) -> bool:
+    return isinstance(path, (str, os.PathLike)) and os.path.isdir(path)
+
+
+def open(path: Any, *, storage_options: dict[str, Any] | None = None) -> Store | ShardedStore:
+    """Open ``path`` read-only (use it as a context manager): a local path, an fsspec URL
+    (``https://``, ``s3://``, ``file://``; ``storage_options`` go to fsspec) or a readable,
+    seekable binary file object, as a :class:`Store`; a local directory (a checkpoint written by
+    many ranks, or a Hugging Face sharded safetensors checkpoint: docs/DISTRIBUTED.md) as a
+    :class:`ShardedStore`, the same interface over its global tensors.
+
+    Raises:
+        FileNotFoundError: no such file or directory.
+        FormatError: not a checkpoint this library reads, or a damaged one (names the file).
+        RemoteError: a URL that cannot be read.
+    """
+    if _is_directory(path):
+        return ShardedStore(path)
+    return Store(path, storage_options=storage_options)
 
 
 def load(path: Any, *, select: Selector = None, device: Device = None, progress: bool | None = None,
@@ -51,6 +73,11 @@ def load(path: Any, *, select: Selector = None, device: Device = None, progress:
         FormatError: the file is not readable as a checkpoint, or a checksum does not match.
         TensorStoreError: a device that does not exist here.
     """
+    if _is_directory(path):  # a checkpoint directory (docs/DISTRIBUTED.md)
+        if mmap:
+            raise ValueError(f"{os.fspath(path)}: mmap=True maps one file; a checkpoint directory is read into memory")
+        with ShardedStore(path) as sharded:
+            return sharded.load(select=select, device=device, progress=progress, verify=verify)
     with Store(path, storage_options=storage_options) as store:
         return store.load(select=select, device=device, progress=progress, mmap=mmap, verify=verify)
 

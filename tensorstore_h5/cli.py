@@ -32,18 +32,29 @@ class _UsageError(Exception):
 
 
 def _open(path: str) -> Any:
-    """The file as a Store; a directory is named as one, with the checkpoint files inside it."""
+    """The file as a Store, a checkpoint directory as a ShardedStore; another directory is named
+    as one, with the checkpoint files inside it."""
     if os.path.isdir(path):
-        try:
-            inside = sorted(name for name in os.listdir(path) if os.path.splitext(name)[1].lower() in SUFFIXES)
-        except OSError:
-            inside = []
-        hint = (f"give one of the files in it: {', '.join(inside[:3])}{' ...' if len(inside) > 3 else ''}" if inside else
-                "give the path of an .h5 file")
-        raise IsADirectoryError(f"{path}: is a directory, not a checkpoint file; {hint}")
+        from .sharded import ShardedStore, is_checkpoint_directory
+
+        if is_checkpoint_directory(path):
+            return ShardedStore(path)
+        raise _not_a_checkpoint(path)
     from .store import Store
 
     return Store(path)
+
+
+def _not_a_checkpoint(path: str) -> IsADirectoryError:
+    """The error for a directory that holds no checkpoint index, naming the files in it."""
+    try:
+        inside = sorted(name for name in os.listdir(path) if os.path.splitext(name)[1].lower() in SUFFIXES)
+    except OSError:
+        inside = []
+    hint = (f"give one of the files in it: {', '.join(inside[:3])}{' ...' if len(inside) > 3 else ''}" if inside else
+            "give the path of an .h5 file")
+    return IsADirectoryError(f"{path}: is a directory but not a checkpoint directory (no "
+                             f"tensorstore_h5.json, *.safetensors.index.json or model.safetensors); {hint}")
 
 
 def _foreign_shape(store: Any, entry: Any) -> tuple[list[int] | None, str | None]:
@@ -104,6 +115,8 @@ def _row_text(r: dict[str, Any]) -> str:
     desc = f"{r['dtype']:<10} {shape:<18} {human_bytes(r['nbytes']):>10}"
     if r["kind"] == "ndarray":
         desc += "  (numpy array)"
+    if r.get("pieces", 1) > 1:
+        desc += f"  ({r['pieces']} pieces)"
     if "same_as" in r:
         desc += f"  (same as {r['same_as']})"
     return desc
@@ -118,7 +131,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if args.pattern and not keys:
             raise KeyNotFoundError(f"{args.file}: no key matches {args.pattern!r}; list every key with "
                                    f"`tensorstore-h5 ls {args.file}` (a glob: * also matches /)")
-        rows = [_leaf_info(store, k) for k in keys]
+        rows = [store.leaf_info(k) if hasattr(store, "leaf_info") else _leaf_info(store, k) for k in keys]
     if args.json:
         json.dump(rows, sys.stdout, indent=1, ensure_ascii=False)
         print()
@@ -129,10 +142,33 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return _EXIT_OK
 
 
+def _info_dir(args: argparse.Namespace, store: Any) -> int:
+    """``info`` of a checkpoint directory."""
+    d = store.info()
+    info = {k: d[k] for k in ("file", "kind", "format_version", "save_id", "files", "file_bytes", "keys", "data_bytes",
+                              "metadata")}
+    info["tensors"] = len(d["tensors"])
+    if args.json:
+        json.dump(info, sys.stdout, indent=1, default=str, ensure_ascii=False)
+        print()
+        return _EXIT_OK
+    what = (f"tensorstore_h5 checkpoint directory (index v{info['format_version']}, save {info['save_id']})"
+            if info["kind"] == "tensorstore_h5" else "Hugging Face safetensors checkpoint directory")
+    print(f"{info['file']}: {what}")
+    print(f"  keys       {info['keys']} ({info['tensors']} tensors)")
+    print(f"  data       {human_bytes(info['data_bytes'])}")
+    print(f"  files      {info['files']}, {human_bytes(info['file_bytes'])}")
+    if info["metadata"]:
+        print(f"  metadata   {json.dumps(info['metadata'], default=str, ensure_ascii=False)}")
+    return _EXIT_OK
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from .format import ForeignEntry, TensorEntry
 
     with _open(args.file) as store:
+        if hasattr(store, "leaf_info"):
+            return _info_dir(args, store)
         entries = [store._entry(k) for k in store.keys()]
         info = {
             "file": store.path,
@@ -214,6 +250,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .hdf5source import verify_layout
 
     with _open(args.file) as store:
+        if hasattr(store, "leaf_info"):  # a checkpoint directory: every piece, its file and its checksums
+            report = store.verify()
+            for p in report["problems"]:
+                print(f"{args.file}: {p}", file=sys.stderr)
+            if report["problems"]:
+                print(f"{args.file}: FAILED, {len(report['problems'])} problem(s)", file=sys.stderr)
+                return _EXIT_ERROR
+            what = ("checksums, pieces, files and HDF5 metadata agree" if store.kind == "tensorstore_h5" else
+                    "safetensors headers and data ranges checked (safetensors has no checksums)")
+            print(f"{args.file}: OK, {report['keys']} keys in {report['files']} files, "
+                  f"{human_bytes(report['tensor_bytes'])} of tensor data read; {what}")
+            return _EXIT_OK
         entries = {k: store._entry(k) for k in store.keys()}
         sizes = {k: e.nbytes for k, e in entries.items() if isinstance(e, (TensorEntry, ArrayEntry))}
         skipped = [k for k, e in entries.items() if isinstance(e, ForeignEntry)]
@@ -249,6 +297,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {}
     if args.compression:
         options["compression"] = args.compression
+    if os.path.isdir(args.src):  # a checkpoint directory -> one .h5 file, or Hugging Face shards -> a directory
+        from .sharded import convert_dir, is_checkpoint_directory
+
+        if not is_checkpoint_directory(args.src):
+            raise _not_a_checkpoint(args.src)
+
+        t0 = time.perf_counter()
+        convert_dir(args.src, args.dst, select=args.select, progress=args.progress, **options)
+        size = (sum(os.path.getsize(os.path.join(args.dst, n)) for n in os.listdir(args.dst)) if os.path.isdir(args.dst)
+                else os.path.getsize(args.dst))
+        print(f"{args.src} -> {args.dst}: {human_bytes(size)} in {time.perf_counter() - t0:.1f} s")
+        return _EXIT_OK
     t0 = time.perf_counter()
     convert(args.src, args.dst, select=args.select, progress=args.progress, **options)
     print(f"{args.src} -> {args.dst}: {human_bytes(os.path.getsize(args.dst))} in {time.perf_counter() - t0:.1f} s")
@@ -349,9 +409,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("file")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_info)
-    s = sub.add_parser("convert", help="convert between .h5, .safetensors and torch.save files",
+    s = sub.add_parser("convert", help="convert between .h5, .safetensors and torch.save files and checkpoint directories",
                        description="Convert by the files' suffixes: " + ", ".join(sorted(SUFFIXES)) + ". Pairs: "
-                                   "safetensors->h5, torch->h5, h5->safetensors, h5->h5.")
+                                   "safetensors->h5, torch->h5, h5->safetensors, h5->h5; a checkpoint directory "
+                                   "(tensorstore_h5 or Hugging Face sharded safetensors) -> one .h5 file, and a Hugging "
+                                   "Face directory -> a tensorstore_h5 directory.")
     s.add_argument("src")
     s.add_argument("dst")
     s.add_argument("--compression", choices=PRESET_NAMES, help="compression preset for an .h5 destination")

@@ -32,7 +32,7 @@ from .select import Selector, closest, resolve
 from .slicing import Selection, contiguous_stride, select as select_index, whole
 from .tree import Leaf
 
-__all__ = ["Store", "TensorHandle", "open_store", "Device"]
+__all__ = ["Store", "TensorHandle", "Device"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 Device = Union[None, str, int, torch.device, Mapping[str, Any], Callable[[str], Any]]
@@ -932,9 +932,3 @@ def _device_for(device: Device, path: str) -> Any:
             return dev
     return None
 
-
-def open_store(path: Any, *, storage_options: dict[str, Any] | None = None) -> Store:
-    """Open ``path`` read-only as a :class:`Store` (use it as a context manager): a local path,
-    an fsspec URL (``https://``, ``s3://``, ``file://``; ``storage_options`` go to fsspec) or a
-    readable, seekable binary file object."""
-    return Store(path, storage_options=storage_options)

@@ -433,6 +433,33 @@ def _(ctx: Ctx) -> Timed:
     return op, _file_data(ctx)
 
 
+@contender("M.tensorstore_h5 merge 3 checkpoints key by key (items + Writer)", "stream")
+def _(ctx: Ctx) -> Timed:
+    import tensorstore_h5 as th5
+
+    src, out = ctx.path("ckpt.h5"), _fresh(ctx.path("merged.h5"))
+
+    def op() -> None:  # the same file as all three inputs: the memory is what is measured
+        with th5.open(src) as a, th5.open(src) as b, th5.open(src) as c, th5.Writer(out) as w:
+            for (k, x), (_, y), (_, z) in zip(a.items(), b.items(), c.items()):
+                w[k] = 0.5 * x + 0.3 * y + 0.2 * z
+    return op, _file_data(ctx)
+
+
+@contender("M.safetensors merge 3 checkpoints (safe_open + save_file)", "stream")
+def _(ctx: Ctx) -> Timed:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src, out = ctx.path("ckpt.safetensors"), _fresh(ctx.path("merged.safetensors"))
+
+    def op() -> None:  # save_file takes the whole dict: the merged tensors are all held
+        with safe_open(src, "pt") as a, safe_open(src, "pt") as b, safe_open(src, "pt") as c:
+            merged = {k: 0.5 * a.get_tensor(k) + 0.3 * b.get_tensor(k) + 0.2 * c.get_tensor(k) for k in a.keys()}
+        save_file(merged, out)
+    return op, _file_data(ctx)
+
+
 @contender("R.safetensors get_slice 1% rows of every tensor", "partial")
 def _(ctx: Ctx) -> Timed:
     from safetensors import safe_open
@@ -898,6 +925,8 @@ ORDER = [
     "R.tensorstore_h5 load(mmap) + touch", "R.torch.load(mmap) + touch", "R.safetensors load_file + touch",
     "R.tensorstore_h5 load_into (touched targets)", "R.safetensors safe_open get_tensor + copy_ (touched targets)",
     "R.tensorstore_h5 items() streaming", "R.safetensors safe_open streaming",
+    "M.tensorstore_h5 merge 3 checkpoints key by key (items + Writer)",
+    "M.safetensors merge 3 checkpoints (safe_open + save_file)",
     "R.tensorstore_h5 select 1% of keys", "R.tensorstore_h5 1% row slice of every tensor",
     "R.safetensors get_slice 1% rows of every tensor",
     "K.tensorstore_h5 open + keys() (10,000 keys)", "K.safetensors safe_open + keys() (10,000 keys)",
@@ -1104,6 +1133,12 @@ def _ratios(rows: list[dict[str, Any]], echo: Callable[[str], None]) -> None:
         echo(f"  {'streaming peak RSS growth (MiB), tensorstore_h5 vs safetensors':<70} "
              f"{by['R.tensorstore_h5 items() streaming']['peak_mib']:6.0f} vs "
              f"{by['R.safetensors safe_open streaming']['peak_mib']:.0f}")
+    merge = [by.get(n) for n in ("M.tensorstore_h5 merge 3 checkpoints key by key (items + Writer)",
+                                 "M.safetensors merge 3 checkpoints (safe_open + save_file)")]
+    if merge[0]:
+        peer = f", safetensors {merge[1]['peak_mib']:.0f}" if merge[1] else ""
+        echo(f"  {'merge of 3 checkpoints: peak RSS growth (MiB) / one input (MiB)':<70} "
+             f"{merge[0]['peak_mib']:6.0f} / {merge[0]['bytes'] / 2**20:.0f}{peer}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1127,6 +1162,23 @@ def main(argv: list[str] | None = None) -> int:
 def run_args(a: Any) -> int:
     """Run what the options of :func:`add_arguments` ask for (parsed into ``a``); returns the
     exit status. Shared by ``python -m tensorstore_h5.bench`` and ``tensorstore-h5 bench``."""
+    if a.distributed:
+        from .bench_distributed import run as run_distributed
+
+        rows = run_distributed(2**30 / 1e9 if a.size_gb == 2.0 else a.size_gb, 64 if a.keys == 300 else a.keys, a.repeat,
+                               tuple(int(r) for r in a.ranks.split(",")), a.dir, a.settle)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"machine": _machine(), "rows": rows}, f, indent=1)
+        return 0
+    if a.past_ram:
+        from .bench_past_ram import run as run_past_ram
+
+        rows = run_past_ram(28.0 if a.size_gb == 2.0 else a.size_gb, a.keys, a.dir)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"machine": _machine(), "rows": rows}, f, indent=1)
+        return 0
     if a.remote:
         from .bench_remote import run as run_remote
 

@@ -22,9 +22,16 @@ def add_arguments(p: Any) -> None:
                    help="run each operation under cProfile and print the N (default 25) costliest functions "
                         "of each contender's fastest run; use with --only")
     p.add_argument("--compression", action="store_true", help="measure the compression presets on real weights instead")
+    p.add_argument("--past-ram", action="store_true",
+                   help="a checkpoint larger than RAM (28 GB unless --size-gb says otherwise), written key by key, "
+                        "then streamed, selected from and row-sliced cold, with peak RSS (root; needs that much disk)")
     p.add_argument("--remote", action="store_true",
                    help="measure loads over HTTP (a loopback server, with and without 20 ms latency) instead; "
                         "0.5 GB unless --size-gb says otherwise")
+    p.add_argument("--distributed", action="store_true",
+                   help="measure DCP save/load through tensorstore_h5.distributed against FileSystemWriter/Reader, "
+                        "1 and 2 ranks (1 GiB of 64 tensors unless --size-gb/--keys say otherwise)")
+    p.add_argument("--ranks", default="1,2", help="with --distributed: comma-separated numbers of ranks")
     p.add_argument("--gpu", action="store_true", help="add the CUDA contenders (G.): loads to the GPU against their limits")
     p.add_argument("--cold", action="store_true",
                    help="add the cold-cache contenders (C.; root drops the page cache before each) against the disk's "

@@ -11,6 +11,8 @@ non-CPU tensors are written in row blocks of at most ``BLOCK_BYTES`` extra memor
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import math
 import mmap
@@ -95,6 +97,79 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(area, dtype=dtype, count=numel, offset=skip).view(shape)
 
 
+READAHEAD_BYTES = 64 * 2**20
+"""``Store.items`` over a local file asks the kernel to read this many bytes of the next tensors
+ahead of the one being read, and ``Store.load`` all it will read (see :meth:`RawFile.willneed`),
+so that from a cold page cache the disk works ahead of the reads (0: never)."""
+
+TRIM_BYTES = 128 * 2**20
+"""Streaming (``Store.items``, ``Writer.write``) hands the heap's free memory back to the system
+when it holds at least this many free bytes (glibc only; None: never, for speed over memory)."""
+
+TRIM_CHECK_BYTES = 16 * 2**20
+"""How many streamed bytes pass between two looks at the heap's free bytes."""
+
+
+def coalesce(ranges: Sequence[tuple[int, int]], max_gap: int) -> list[list[int]]:
+    """``(offset, nbytes)`` ranges as sorted ``[start, end)`` spans, joining those less than
+    ``max_gap`` bytes apart (empty ranges dropped)."""
+    joined: list[list[int]] = []
+    for a, b in sorted((o, o + n) for o, n in ranges if n > 0):
+        if joined and a <= joined[-1][1] + max_gap:
+            joined[-1][1] = max(joined[-1][1], b)
+        else:
+            joined.append([a, b])
+    return joined
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _glibc() -> tuple[Callable[[int], int], Callable[[], _Mallinfo2] | None] | None:
+    """glibc's ``malloc_trim`` and ``mallinfo2`` (None where the C library is another)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    info = getattr(libc, "mallinfo2", None)  # glibc 2.33+
+    if info is not None:
+        info.argtypes, info.restype = [], _Mallinfo2
+    return trim, info
+
+
+_GLIBC = _glibc() if os.name == "posix" else None
+_streamed = 0
+
+
+def streamed(nbytes: int) -> None:
+    """Note ``nbytes`` streamed (read for or written from the caller, tensor by tensor) and, now
+    and then, give the heap's free memory back to the system.
+
+    Freed tensors of the caller's code (``0.5 * x + y`` over ``items()``) come from glibc's
+    heap once glibc has raised its mmap threshold (it raises it to the size of each large
+    block freed, up to 32 MiB), and the heap keeps what is freed in it: a key-by-key merge of
+    three 640 MiB checkpoints grew RSS by 1,072 MiB that way, by 245 MiB with this. Every
+    :data:`TRIM_CHECK_BYTES` streamed, when the heap holds :data:`TRIM_BYTES` free,
+    ``malloc_trim(0)`` returns its free pages. The price is faulting that memory in again: the
+    merge took 1.45x as long on this project's VM, where fresh memory is slow."""
+    global _streamed
+    if _GLIBC is None or TRIM_BYTES is None:
+        return
+    _streamed += nbytes
+    if _streamed < TRIM_CHECK_BYTES:
+        return
+    _streamed = 0
+    trim, info = _GLIBC
+    if info is not None and info().fordblks < TRIM_BYTES:
+        return
+    trim(0)
+
+
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -150,6 +225,20 @@ class RawFile:
 
     def release(self) -> None:
         """Nothing to do (see :meth:`prefetch`)."""
+
+    def willneed(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Ask the kernel to start reading ``(offset, nbytes)`` ranges into the page cache
+        (``POSIX_FADV_WILLNEED``: returns at once), so that a cold read of them later waits
+        less; ranges less than 1 MiB apart go as one. Nothing happens where the call does
+        not exist."""
+        advise = getattr(os, "posix_fadvise", None)
+        if advise is None or self._fd is None:
+            return
+        for start, end in coalesce(ranges, 1 << 20):
+            try:
+                advise(self._fd, start, end - start, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                return
 
     def mapped(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor backed by the file's pages through its own private mapping: copy-on-write,

@@ -231,14 +231,8 @@ class RemoteSource:
 
         Raises RemoteError (naming the URL) when a request fails for good or a server
         ignores or cuts a range."""
-        spans = sorted((o, o + n) for o, n in ranges if n > 0)
-        joined: list[list[int]] = []
-        for a, b in spans:
-            if joined and a <= joined[-1][1] + MAX_GAP:
-                joined[-1][1] = max(joined[-1][1], b)
-            else:
-                joined.append([a, b])
-        merged = [[s, min(b, s + REQUEST_BYTES)] for a, b in joined for s in range(a, b, REQUEST_BYTES)]
+        merged = [[s, min(b, s + REQUEST_BYTES)] for a, b in io.coalesce(ranges, MAX_GAP)
+                  for s in range(a, b, REQUEST_BYTES)]
         if not merged:
             return []
         fetched = self._call(f"{len(merged)} byte ranges", lambda: self._cat_ranges(merged))

@@ -295,11 +295,21 @@ class Store:
         included = resolve(select, self._leaf_paths, self._container_paths, self.path)
         alive: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
         fmap = io.FileMap(self._rawfile(), whole=False) if mmap else None  # each tensor unmapped when dropped
-        for entry in self._layout.select(included):
-            if not isinstance(entry, Container):
-                if not self._local:
-                    self._rawfile().prefetch(self._ranges(entry))
-                yield entry.path, self._read_leaf(entry, alive, device, fmap, None, verify)
+        entries = [e for e in self._layout.select(included) if not isinstance(e, Container)]
+        advised, ahead = 0, 0  # entries[:advised] were handed to the kernel's readahead; bytes beyond now
+        for i, entry in enumerate(entries):
+            if self._local and fmap is None and io.READAHEAD_BYTES:  # the disk reads the next tensors while this one is used
+                ahead -= sum(n for _, n in self._ranges(entry)) if i < advised else 0
+                advised = max(advised, i)
+                while advised < len(entries) and ahead < io.READAHEAD_BYTES:
+                    ranges = self._ranges(entries[advised])
+                    self._rawfile().willneed(ranges)
+                    ahead += sum(n for _, n in ranges)
+                    advised += 1
+            elif not self._local:
+                self._rawfile().prefetch(self._ranges(entry))
+            io.streamed(_data_bytes(entry))  # what the caller freed since the last one goes back
+            yield entry.path, self._read_leaf(entry, alive, device, fmap, None, verify)
 
     def read_many(self, selections: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """A part of each of several tensors: ``{key path: index}`` (what ``h[index]`` takes;
@@ -379,6 +389,8 @@ class Store:
         items: list[Container | Leaf] = []
         fmap = io.FileMap(self._rawfile()) if mmap else None
         entries = self._layout.select(included)
+        if self._local and not mmap and io.READAHEAD_BYTES:  # from a cold cache the kernel reads ahead of the I/O threads
+            self._rawfile().willneed([r for e in entries for r in self._ranges(e)])
         with self._batched(progress, sum(_data_bytes(e) for e in entries)) as (bar, plan):
             for group in self._fetched(entries):
                 for entry in group:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -69,6 +70,12 @@ def checkpoint(layers: int = 4, width: int = 256, vocab: int = 1000, with_optimi
 def bench_state_dict(total_bytes: int, keys: int = 300, seed: int = 0) -> OrderedDict[str, torch.Tensor]:
     """A transformer-like state dict of about ``total_bytes`` in about ``keys`` tensors, half of
     the layers float32 and half bfloat16, filled fast from one tiled random block."""
+    return OrderedDict(bench_tensors(total_bytes, keys, seed))
+
+
+def bench_tensors(total_bytes: int, keys: int = 300, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of :func:`bench_state_dict`, made one at a time (for checkpoints larger than
+    memory: only the one being made is held)."""
     layers = max(1, keys // 8)
     width = max(8, int((total_bytes / (layers * 12 * 3)) ** 0.5) // 8 * 8)
     g = torch.Generator().manual_seed(seed)
@@ -82,7 +89,6 @@ def bench_state_dict(total_bytes: int, keys: int = 300, seed: int = 0) -> Ordere
             flat[start:start + n].copy_(block[:n])
         return out
 
-    sd: OrderedDict[str, torch.Tensor] = OrderedDict()
     w = width
     for i in range(layers):
         dt = torch.float32 if i % 2 == 0 else torch.bfloat16
@@ -90,5 +96,4 @@ def bench_state_dict(total_bytes: int, keys: int = 300, seed: int = 0) -> Ordere
         for name, shape in (("attn.qkv.weight", (3 * w, w)), ("attn.qkv.bias", (3 * w,)), ("attn.out.weight", (w, w)),
                             ("attn.out.bias", (w,)), ("mlp.up.weight", (4 * w, w)), ("mlp.down.weight", (w, 4 * w)),
                             ("norm1.weight", (w,)), ("norm2.weight", (w,))):
-            sd[p + name] = fill(shape, dt)
-    return sd
+            yield p + name, fill(shape, dt)

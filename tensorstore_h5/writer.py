@@ -306,6 +306,8 @@ class Writer:
             raise ValueError(f"{self.path}: invalid key path {key!r}: {e}; escape '/' and '%' in keys with th5.escape") from e
         if key in self._index:
             raise ValueError(f"{self.path}: key path {key!r} was already written")
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            io.streamed(value.nbytes)  # what the caller freed since the last one goes back (see io.streamed)
         nodes = prepare(value, self.path, key, keys[-1])
         self._make_parents(names[:-1], keys[:-1], key)
         self._write_nodes(nodes)

@@ -63,3 +63,21 @@ def test_the_disk_limit_reads_every_byte(tmp_path, direct) -> None:
     path = tmp_path / "f.bin"
     path.write_bytes(bytes(range(256)) * 4096 * 5)  # 5 MiB: a partial last piece
     assert bench._read_file(str(path), direct, threads=2, piece=2 << 20) == 5 * 2**20
+
+
+def test_past_ram_measures_every_operation_on_a_key_by_key_file(tmp_path) -> None:
+    import os
+
+    from tensorstore_h5 import bench_past_ram
+
+    if os.geteuid() != 0:
+        pytest.skip("drops the page cache: needs root")
+    lines: list[str] = []
+    rows = bench_past_ram.run(0.02, keys=40, workdir=str(tmp_path), settle=0, echo=lines.append)
+    assert [r["op"] for r in rows] == list(bench_past_ram.OPS)
+    write, stream, select, slices = rows[0], rows[3], rows[4], rows[5]
+    assert write["bytes"] == stream["bytes"] == stream["file_data"] > 0.9 * 0.02e9
+    assert 0 < select["bytes"] < 0.1 * stream["bytes"] and 0 < slices["bytes"] < 0.05 * stream["bytes"]  # 1 key of 40
+    assert rows[1]["bytes"] == rows[2]["bytes"] == stream["file_bytes"]
+    assert any(line.startswith("stream every tensor (items)") for line in lines)
+    assert os.listdir(tmp_path) == []  # the file is removed

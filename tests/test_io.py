@@ -263,3 +263,77 @@ def test_foreign_datasets_read_raw_through_hdf5_or_refused(tmp_path) -> None:
             s["z"].read()
         with pytest.raises(th5.FormatError, match="f.h5: key 'x'.*external files"):
             s["x"].read()
+
+
+def test_streaming_gives_the_heaps_free_memory_back(tmp_path, monkeypatch) -> None:
+    """items() and Writer.write note every tensor they stream; once TRIM_CHECK_BYTES have passed
+    and the heap holds TRIM_BYTES free, malloc_trim runs (glibc's dynamic mmap threshold puts
+    the caller's freed temporaries in the heap, which keeps them)."""
+    import types
+
+    from tensorstore_h5 import io as th5io
+
+    free = [0]
+    trims: list[int] = []
+    fake = (lambda pad: trims.append(pad) or 1, lambda: types.SimpleNamespace(fordblks=free[0]))
+    monkeypatch.setattr(th5io, "_GLIBC", fake)
+    monkeypatch.setattr(th5io, "_streamed", 0)
+    monkeypatch.setattr(th5io, "TRIM_CHECK_BYTES", 4 * 2**20)
+    sd = {f"w{i}": torch.full((1024, 1024), float(i)) for i in range(8)}  # 4 MiB each
+    th5.save(sd, tmp_path / "a.h5")
+    with th5.open(tmp_path / "a.h5") as s:
+        assert [k for k, _ in s.items()] == list(sd)
+    assert trims == []  # the heap held nothing free
+    free[0] = th5io.TRIM_BYTES
+    with th5.open(tmp_path / "a.h5") as s, th5.Writer(tmp_path / "b.h5") as w:
+        for k, t in s.items():
+            w[k] = t * 2
+    assert len(trims) == 16  # one look per 4 MiB streamed: 8 tensors read, 8 written
+    monkeypatch.setattr(th5io, "TRIM_BYTES", None)
+    with th5.open(tmp_path / "a.h5") as s:
+        list(s.items())
+    assert len(trims) == 16
+    if th5io._glibc() is not None:  # the real one answers
+        trim, info = th5io._glibc()
+        assert trim(0) in (0, 1) and (info is None or info().arena >= 0)
+
+
+def test_reads_from_a_local_file_ask_the_kernel_to_read_ahead(tmp_path, monkeypatch) -> None:
+    """items() keeps READAHEAD_BYTES of the next tensors handed to the kernel's readahead ahead of
+    the one it yields (never far more); load() hands over everything it will read at once;
+    mmap loads and READAHEAD_BYTES = 0 hand over nothing."""
+    from tensorstore_h5 import io as th5io
+
+    advised: list[tuple[int, int]] = []
+    monkeypatch.setattr(th5io.RawFile, "willneed", lambda self, ranges: advised.extend(ranges))
+    monkeypatch.setattr(th5io, "READAHEAD_BYTES", 2 * 2**20)
+    sd = {f"w{i}": torch.full((512, 256), float(i)) for i in range(12)}  # 512 KiB each
+    th5.save(sd, tmp_path / "a.h5")
+    with th5.open(tmp_path / "a.h5") as s:
+        spans = {k: s._entry(k).extent for k in s.keys()}
+        for i, (k, t) in enumerate(s.items()):
+            assert torch.equal(t, sd[k])
+            covered = {j for j in range(12) if (spans[f"w{j}"].offset, spans[f"w{j}"].nbytes) in advised}
+            assert set(range(min(12, i + 4))) <= covered, (i, covered)  # this one and the next 3 at least
+            assert max(covered) <= i + 5  # about 2 MiB ahead, not the whole file
+    advised.clear()
+    th5.load(tmp_path / "a.h5", select="w1*")
+    assert sorted(advised) == sorted((spans[k].offset, spans[k].nbytes) for k in ("w1", "w10", "w11"))
+    advised.clear()
+    th5.load(tmp_path / "a.h5", mmap=True)
+    monkeypatch.setattr(th5io, "READAHEAD_BYTES", 0)
+    th5.load(tmp_path / "a.h5")
+    with th5.open(tmp_path / "a.h5") as s:
+        list(s.items())
+    assert advised == []
+
+
+def test_willneed_takes_any_ranges(tmp_path) -> None:
+    from tensorstore_h5 import io as th5io
+
+    th5.save({"w": torch.ones(1000)}, tmp_path / "a.h5")
+    raw = th5io.RawFile(str(tmp_path / "a.h5"))
+    raw.willneed([(0, 100), (50, 10**9), (0, 0)])  # past the end and empty: the kernel's business
+    assert th5io.coalesce([(0, 100), (50, 10**9), (0, 0), (2 * 10**9, 5)], 1 << 20) == [[0, 10**9 + 50], [2 * 10**9, 2 * 10**9 + 5]]
+    raw.close()
+    raw.willneed([(0, 100)])  # closed: nothing

@@ -24,7 +24,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--compression", action="store_true", help="measure the compression presets on real weights instead")
     p.add_argument("--past-ram", action="store_true",
                    help="a checkpoint larger than RAM (28 GB unless --size-gb says otherwise), written key by key, "
-                        "then streamed, selected from and row-sliced cold, with peak RSS (root; needs that much disk)")
+                        "then streamed, selected from, row-sliced and converted to safetensors cold, with peak RSS "
+                        "(root; needs twice that much disk)")
     p.add_argument("--remote", action="store_true",
                    help="measure loads over HTTP (a loopback server, with and without 20 ms latency) instead; "
                         "0.5 GB unless --size-gb says otherwise")

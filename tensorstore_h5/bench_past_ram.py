@@ -1,6 +1,7 @@
 """Past the size of RAM (``tensorstore-h5 bench --past-ram``; run by hand, not in CI): a
 checkpoint larger than this machine's memory is written key by key, then streamed, selected
-from and row-sliced with a cold page cache, against the disk's own read limits in the same run.
+from, row-sliced and converted to safetensors with a cold page cache, against the disk's own
+read limits in the same run.
 Each operation runs in a fresh process; the table gives its time, bytes and peak RSS growth
 (high-water mark minus the RSS it started from) beside the largest tensor's size.
 """
@@ -19,7 +20,8 @@ from typing import Any
 __all__ = ["run", "OPS"]
 
 OPS = ("write key by key", "disk: buffered reads, 2 threads", "disk: O_DIRECT reads, 2 threads",
-       "stream every tensor (items)", "select 1% of the keys", "1% row slice of every tensor")
+       "stream every tensor (items)", "select 1% of the keys", "1% row slice of every tensor",
+       "convert to .safetensors")
 """The operations, in the order they run (each after the page cache is dropped)."""
 
 
@@ -41,7 +43,7 @@ def _child(op: str, path: str, nbytes: int, keys: int) -> dict[str, Any]:
             sizes = [s[k].nbytes for k in s.keys()]
         return max(sizes), sum(sizes)
 
-    moved = 0
+    moved = written = 0
     if op == OPS[0]:
         base = _rss()
         t0 = time.perf_counter()
@@ -67,23 +69,31 @@ def _child(op: str, path: str, nbytes: int, keys: int) -> dict[str, Any]:
                     del t
         elif op == OPS[4]:
             moved = sum(t.nbytes for t in th5.load(path, select=picked).values())
-        else:
+        elif op == OPS[5]:
             with th5.open(path) as s:
                 for k, index in rows.items():
                     moved += s[k][index].nbytes
+        else:
+            out = os.path.join(os.path.dirname(path), "big.safetensors")
+            try:
+                th5.convert(path, out, progress=False)
+                moved, written = total, os.path.getsize(out)
+            finally:
+                if os.path.exists(out):
+                    os.unlink(out)
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     largest, total = largest_and_total()
     return {"op": op, "seconds": seconds, "bytes": moved, "peak_rss_growth": max(0, peak), "largest": largest,
-            "file_data": total, "file_bytes": os.path.getsize(path)}
+            "file_data": total, "file_bytes": os.path.getsize(path), "written": written}
 
 
 def run(size_gb: float = 28.0, keys: int = 300, workdir: str | None = None, settle: float = 3.0,
         echo: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Write a ``size_gb`` checkpoint into ``workdir`` (default: the temp dir) and measure every
     operation of :data:`OPS` on it, cold, each ``settle`` seconds after the cache was dropped;
-    print the table; return the rows. Needs root (to drop the page cache) and ``size_gb`` of
-    free disk; the file is removed at the end. Raises RuntimeError naming a failed operation."""
+    print the table; return the rows. Needs root (to drop the page cache) and twice ``size_gb``
+    of free disk (the conversion writes a copy); the files are removed at the end. Raises RuntimeError naming a failed operation."""
     from .bench import _drop_caches
 
     with open("/proc/meminfo") as f:
@@ -108,8 +118,8 @@ def run(size_gb: float = 28.0, keys: int = 300, workdir: str | None = None, sett
                 echo(f"{'operation':<34} {'GB moved':>9} {'time s':>8} {'GB/s':>6} {'share of bytes':>14} "
                      f"{'share of time':>13} {'peak RSS growth MiB':>19}")
             full = next((r for r in rows if r["op"] == OPS[3]), None)
-            share_t = f"{row['seconds'] / full['seconds']:.4f}" if full and row["op"] in OPS[4:] else ""
-            share_b = f"{row['bytes'] / row['file_data']:.4f}" if row["op"] in OPS[4:] else ""
+            share_t = f"{row['seconds'] / full['seconds']:.4f}" if full and row["op"] in OPS[4:6] else ""
+            share_b = f"{row['bytes'] / row['file_data']:.4f}" if row["op"] in OPS[4:6] else ""
             echo(f"{op:<34} {row['bytes'] / 1e9:9.3f} {row['seconds']:8.2f} {row['bytes'] / row['seconds'] / 1e9:6.2f} "
                  f"{share_b:>14} {share_t:>13} {row['peak_rss_growth'] / 2**20:19.0f}")
     return rows

@@ -24,8 +24,8 @@ from typing import Any
 from . import io
 from .errors import TensorStoreError
 
-__all__ = ["RETRIES", "MAX_GAP", "REQUEST_BYTES", "BATCH_BYTES", "is_url", "is_fileobj", "open_source", "RemoteSource", "FileObjSource",
-           "RemoteError", "upload"]
+__all__ = ["RETRIES", "MAX_GAP", "REQUEST_BYTES", "BATCH_BYTES", "FETCH_AHEAD", "is_url", "is_fileobj", "open_source",
+           "RemoteSource", "FileObjSource", "RemoteError", "upload"]
 
 RETRIES = 3
 """Times a failed request is tried again (transient errors only: connection, timeout, 5xx)."""
@@ -40,8 +40,12 @@ REQUEST_BYTES = 8 << 20
 """Longer ranges are split into requests of this many bytes, fetched concurrently."""
 
 BATCH_BYTES = 64 * 2**20
-"""A load of a remote file fetches about this many bytes at a time, the next batch while the
-tensors of the current one are filled (so at most about two batches are held)."""
+"""A load of a remote file fetches about this many bytes at a time, the next batches while the
+tensors of the current one are filled."""
+
+FETCH_AHEAD = 2
+"""Batches a remote load downloads ahead of the one it fills (at most ``FETCH_AHEAD + 1``
+batches are held): two keep the connection busy when each request waits on latency."""
 
 
 class RemoteError(TensorStoreError, OSError):
@@ -208,7 +212,7 @@ class RemoteSource:
             if not start <= at < start + len(data):
                 break
             take = min(n - done, start + len(data) - at)
-            view[done:done + take] = data[at - start:at - start + take]
+            view[done:done + take] = memoryview(data)[at - start:at - start + take]  # no temporary copy
             done += take
             i += 1
         if done < n:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Union
 
@@ -404,8 +405,8 @@ class Store:
     def _fetched(self, entries: list[Any]) -> Iterator[list[Any]]:
         """``entries`` in groups whose stored bytes a remote source has fetched (about
         :data:`remote.BATCH_BYTES` a group, neighbouring ranges in one request); the next
-        group's bytes download while the caller reads the current one. One group, nothing
-        fetched, for a local file."""
+        groups' bytes (:data:`remote.FETCH_AHEAD` of them) download while the caller reads the
+        current one. One group, nothing fetched, for a local file."""
         if self._local:
             yield entries
             return
@@ -421,18 +422,20 @@ class Store:
             groups[-1][0].append(entry)
             groups[-1][1].extend(more)
             size += grow
-        pool = ThreadPoolExecutor(1, thread_name_prefix="th5-fetch")
+        ahead = max(1, remote.FETCH_AHEAD)
+        pool = ThreadPoolExecutor(ahead, thread_name_prefix="th5-fetch")
+        pending = deque(pool.submit(raw.fetch, ranges) for _, ranges in groups[:ahead])
         try:
-            ahead = pool.submit(raw.fetch, groups[0][1])
             for k, (group, _) in enumerate(groups):
-                pieces = ahead.result()
-                if k + 1 < len(groups):
-                    ahead = pool.submit(raw.fetch, groups[k + 1][1])
+                pieces = pending.popleft().result()
+                if k + ahead < len(groups):
+                    pending.append(pool.submit(raw.fetch, groups[k + ahead][1]))
                 raw.use(pieces)
                 del pieces
                 yield group
         finally:
-            ahead.cancel()
+            for f in pending:
+                f.cancel()
             pool.shutdown(wait=True)
             raw.release()
 

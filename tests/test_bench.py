@@ -79,5 +79,42 @@ def test_past_ram_measures_every_operation_on_a_key_by_key_file(tmp_path) -> Non
     assert write["bytes"] == stream["bytes"] == stream["file_data"] > 0.9 * 0.02e9
     assert 0 < select["bytes"] < 0.1 * stream["bytes"] and 0 < slices["bytes"] < 0.05 * stream["bytes"]  # 1 key of 40
     assert rows[1]["bytes"] == rows[2]["bytes"] == stream["file_bytes"]
+    assert rows[6]["written"] > stream["file_data"]  # a safetensors copy of every tensor, then removed
     assert any(line.startswith("stream every tensor (items)") for line in lines)
-    assert os.listdir(tmp_path) == []  # the file is removed
+    assert os.listdir(tmp_path) == []  # the files are removed
+
+
+def test_the_package_is_imported_before_the_timed_operation(tmp_path) -> None:
+    """tensorstore_h5 resolves its public API on first use; a fresh worker imports it in its
+    set-up, so no contender's time includes importing (or compiling) the package."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import json, sys\n"
+        "from tensorstore_h5 import bench\n"
+        "seen = {}\n"
+        "def setup(ctx):\n"
+        "    return (lambda: seen.setdefault('api', 'tensorstore_h5.api' in sys.modules)), 0\n"
+        "bench.CONTENDERS['X.probe'] = ('keys', setup)\n"
+        f"bench.worker('X.probe', bench.Ctx({str(tmp_path)!r}, 0, 0))\n"
+        "print(json.dumps(seen))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"api": True}
+
+
+def test_remote_bench_measures_every_operation_and_counts_bytes_on_the_server() -> None:
+    pytest.importorskip("fsspec")
+    pytest.importorskip("aiohttp")
+    from tensorstore_h5 import bench_remote
+
+    lines: list[str] = []
+    rows = bench_remote.run(0.02, keys=20, repeat=2, latencies=(0.0,), echo=lines.append)
+    by = {r["name"]: r for r in rows}
+    assert len(rows) == 6 and all(r["seconds"] <= r["median_seconds"] for r in rows)
+    full, select = by["tensorstore_h5 load(url)"], by["tensorstore_h5 select 1% of keys"]
+    assert full["moved_mb"] * 1e6 >= full["bytes"] > 0.9 * 0.02e9  # every tensor byte crossed the wire
+    assert select["bytes"] <= select["moved_mb"] * 1e6 < 0.2 * full["bytes"]  # 1 key of 20 (+ the layout)
+    assert any("full load / raw limit" in line for line in lines)

@@ -129,21 +129,25 @@ def test_a_full_remote_load_fetches_in_batches_of_bounded_size(served, server, m
     assert max(body) <= 16 * 2**20 + remote.MAX_GAP and len(body) >= 200 * 2**20 // (17 * 2**20)
 
 
-def test_the_next_batch_downloads_while_the_current_one_is_read(served, server, monkeypatch) -> None:
-    """Reading batch k waits until the fetch of batch k+1 has begun: a load that fetched and
-    then read, batch after batch, would time out here. At most two batches are ever held."""
+def test_the_next_batches_download_while_the_current_one_is_read(served, server, monkeypatch) -> None:
+    """Reading batch k waits until the fetch of batch k + FETCH_AHEAD has begun: a load that
+    fetched and then read, batch after batch, would time out here. No more than FETCH_AHEAD
+    batches are fetched ahead of the one in use."""
     import threading
 
     _, objs = served
     monkeypatch.setattr(remote, "BATCH_BYTES", 64 * 2**20)
+    assert remote.FETCH_AHEAD >= 1
     fetches: list[int] = []
     held: list[int] = []
+    ahead: list[int] = []
     begun = threading.Event()
     real_fetch, real_use, real_pread = remote.RemoteSource.fetch, remote.RemoteSource.use, remote.RemoteSource.pread
 
     def fetch(self, ranges):
         fetches.append(sum(n for _, n in ranges))
-        if len(fetches) >= 2:
+        ahead.append(len(fetches) - len(held))  # started, not yet in use (this one included)
+        if len(fetches) >= 1 + remote.FETCH_AHEAD:
             begun.set()
         return real_fetch(self, ranges)
 
@@ -153,7 +157,7 @@ def test_the_next_batch_downloads_while_the_current_one_is_read(served, server, 
 
     def pread(self, offset, view):
         if len(view) > 1 << 20 and len(held) == 1:  # tensor data of the first batch
-            assert begun.wait(10), "the second batch was not being fetched while the first was read"
+            assert begun.wait(10), "the batches after the first were not being fetched while it was read"
         return real_pread(self, offset, view)
 
     monkeypatch.setattr(remote.RemoteSource, "fetch", fetch)
@@ -162,6 +166,7 @@ def test_the_next_batch_downloads_while_the_current_one_is_read(served, server, 
     out = th5.load(server.url("big.h5"))
     assert all(torch.equal(out[k], v) for k, v in objs["big"].items())
     assert len(fetches) == 4 and max(fetches) <= 64 * 2**20 + 2 * 2**20 and max(held) <= 64 * 2**20 + remote.MAX_GAP
+    assert max(ahead) <= remote.FETCH_AHEAD + 1, ahead
 
 
 @pytest.mark.parametrize("status, words", [(404, "not found"), (403, "access denied"), (500, "request failed after")])

@@ -308,7 +308,8 @@ class Store:
                     ahead += sum(n for _, n in ranges)
                     advised += 1
             elif not self._local:
-                self._rawfile().prefetch(self._ranges(entry))
+                with self._fetching([entry.path]):
+                    self._rawfile().prefetch(self._ranges(entry))
             io.streamed(_data_bytes(entry))  # what the caller freed since the last one goes back
             yield entry.path, self._read_leaf(entry, alive, device, fmap, None, verify)
 
@@ -329,7 +330,8 @@ class Store:
         raw = self._rawfile()
         try:
             if not self._local:
-                raw.prefetch([r for _, entry, sel in parts if not sel.empty for r in self._ranges(entry, sel)])
+                with self._fetching([key for key, _, sel in parts if not sel.empty]):
+                    raw.prefetch([r for _, entry, sel in parts if not sel.empty for r in self._ranges(entry, sel)])
             return {key: self._read_tensor(entry, sel, None, restore_layout=False) for key, entry, sel in parts}
         finally:
             raw.release()
@@ -427,7 +429,8 @@ class Store:
         pending = deque(pool.submit(raw.fetch, ranges) for _, ranges in groups[:ahead])
         try:
             for k, (group, _) in enumerate(groups):
-                pieces = pending.popleft().result()
+                with self._fetching([e.path for e in group if isinstance(e, (TensorEntry, ArrayEntry))]):
+                    pieces = pending.popleft().result()
                 if k + ahead < len(groups):
                     pending.append(pool.submit(raw.fetch, groups[k + ahead][1]))
                 raw.use(pieces)
@@ -598,11 +601,30 @@ class Store:
         def run() -> None:
             try:
                 job()
+            except remote.RemoteError as e:
+                raise self._naming_keys(e, [entry.path]) from e
             except TensorStoreError:
                 raise
             except _READ_ERRORS as e:
                 raise FormatError(f"{self.path}: key {entry.path!r}: {_why(e)}") from e
         return run
+
+    def _naming_keys(self, e: remote.RemoteError, keys: list[str]) -> remote.RemoteError:
+        """``e`` (a failed request) again, its message naming the keys being read."""
+        message, prefix = str(e), f"{self.path}: "
+        if not keys or message.startswith(prefix + "key"):
+            return e
+        shown = ", ".join(repr(k) for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+        rest = message[len(prefix):] if message.startswith(prefix) else message
+        return remote.RemoteError(f"{prefix}{'key' if len(keys) == 1 else 'keys'} {shown}: {rest}")
+
+    @contextmanager
+    def _fetching(self, keys: list[str]) -> Iterator[None]:
+        """Remote errors raised inside name ``keys``, the keys whose bytes are fetched."""
+        try:
+            yield
+        except remote.RemoteError as e:
+            raise self._naming_keys(e, keys) from e
 
     def _target(self, device: Device, key: str) -> torch.device | None:
         """The device a leaf goes to: None for the CPU (any spelling), else a device that
@@ -768,7 +790,8 @@ class Store:
         raw = self._rawfile()
         verify = verify and sel.full
         if fetch and not self._local and not sel.empty:
-            raw.prefetch(self._ranges(entry, sel))  # the chunks or rows it touches, in few requests
+            with self._fetching([entry.path]):
+                raw.prefetch(self._ranges(entry, sel))  # the chunks or rows it touches, in few requests
         ranged = isinstance(where, (Contiguous, Chunked)) and sel.contiguous_rows
         skip = sum(a * st for a, st in zip(sel.start, contiguous_stride(entry.shape))) * entry.dtype.itemsize
         reader = ChunkReader(where, raw.pread, verify) if isinstance(where, Chunked) else None

@@ -184,7 +184,7 @@ def test_a_server_that_ignores_ranges_or_ends_early_is_refused(served, server) -
     server.reset()
     with th5.open(server.url("small.h5")) as s:
         server.behaviour.short = True
-        with pytest.raises(th5.TensorStoreError, match="small.h5.*(ended early|ends before)"):
+        with pytest.raises(th5.TensorStoreError, match="small.h5: key 'layers.1.weight': .*(ended early|ends before)"):
             s["layers.1.weight"].read()
 
 
@@ -195,8 +195,14 @@ def test_dropped_connections_are_retried_a_bounded_number_of_times(served, serve
         server.behaviour.drop_next = 2
         assert torch.equal(s["layers.2.weight"].read(), objs["small"]["layers.2.weight"])
         server.behaviour.drop_next = remote.RETRIES + 1
-        with pytest.raises(th5.TensorStoreError, match=f"small.h5.*after {remote.RETRIES + 1} tries"):
+        with pytest.raises(th5.TensorStoreError, match=f"small.h5: key 'layers.3.weight': .*after {remote.RETRIES + 1} tries"):
             s["layers.3.weight"].read()
+        server.behaviour.drop_next = remote.RETRIES + 1
+        with pytest.raises(th5.TensorStoreError, match=r"small.h5: keys 'layers.0.weight', .* and \d+ more: .*after"):
+            s.load()  # the keys of the batch whose download failed
+        server.behaviour.drop_next = remote.RETRIES + 1
+        with pytest.raises(th5.TensorStoreError, match=r"small.h5: keys 'layers.1.weight', 'layers.2.weight': .*after"):
+            s.read_many({"layers.1.weight": slice(0, 2), "layers.2.weight": 3})
 
 
 def test_latency_costs_a_few_round_trips(served, server) -> None:

@@ -25,17 +25,10 @@ OPS = ("write key by key", "disk: buffered reads, 2 threads", "disk: O_DIRECT re
 """The operations, in the order they run (each after the page cache is dropped)."""
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _child(op: str, path: str, nbytes: int, keys: int) -> dict[str, Any]:
     """Run one operation here (a fresh process) and return its figures."""
-    import resource
-
     import tensorstore_h5 as th5
-    from .bench import _read_file
+    from .bench import _read_file, _reset_peak, _status
     from .synthetic import bench_tensors
 
     def largest_and_total() -> tuple[int, int]:
@@ -45,7 +38,8 @@ def _child(op: str, path: str, nbytes: int, keys: int) -> dict[str, Any]:
 
     moved = written = 0
     if op == OPS[0]:
-        base = _rss()
+        _reset_peak()  # VmHWM from here: a child's ru_maxrss starts at its parent's RSS when it forked
+        base = _status("VmRSS")
         t0 = time.perf_counter()
         with th5.Writer(path) as w:
             for k, t in bench_tensors(nbytes, keys):
@@ -58,7 +52,8 @@ def _child(op: str, path: str, nbytes: int, keys: int) -> dict[str, Any]:
             names = s.keys()
             picked = names[::100]
             rows = {k: slice(0, max(1, s[k].shape[0] // 100)) for k in names}
-        base = _rss()
+        _reset_peak()  # VmHWM from here: a child's ru_maxrss starts at its parent's RSS when it forked
+        base = _status("VmRSS")
         t0 = time.perf_counter()
         if op in (OPS[1], OPS[2]):
             moved = _read_file(path, direct=op == OPS[2])
@@ -82,7 +77,7 @@ def _child(op: str, path: str, nbytes: int, keys: int) -> dict[str, Any]:
                 if os.path.exists(out):
                     os.unlink(out)
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    peak = _status("VmHWM") - base
     largest, total = largest_and_total()
     return {"op": op, "seconds": seconds, "bytes": moved, "peak_rss_growth": max(0, peak), "largest": largest,
             "file_data": total, "file_bytes": os.path.getsize(path), "written": written}
@@ -93,7 +88,8 @@ def run(size_gb: float = 28.0, keys: int = 300, workdir: str | None = None, sett
     """Write a ``size_gb`` checkpoint into ``workdir`` (default: the temp dir) and measure every
     operation of :data:`OPS` on it, cold, each ``settle`` seconds after the cache was dropped;
     print the table; return the rows. Needs root (to drop the page cache) and twice ``size_gb``
-    of free disk (the conversion writes a copy); the files are removed at the end. Raises RuntimeError naming a failed operation."""
+    of free disk (the conversion writes a copy); the files are removed at the end. Raises
+    RuntimeError naming a failed operation."""
     from .bench import _drop_caches
 
     with open("/proc/meminfo") as f:

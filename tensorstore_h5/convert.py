@@ -268,6 +268,7 @@ def _to_safetensors(src: str, dst: str, select: Any, progress: bool | None, meta
                                           "layout says")
                     out.write(data)
                     bar.update(nbytes)
+                    del value, t, data  # not held while the next tensor is read
             os.replace(tmp, dst)
         except BaseException as e:
             try:

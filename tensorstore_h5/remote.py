@@ -45,7 +45,7 @@ tensors of the current one are filled."""
 
 FETCH_AHEAD = 2
 """Batches a remote load downloads ahead of the one it fills (at most ``FETCH_AHEAD + 1``
-batches are held): two keep the connection busy when each request waits on latency."""
+batches are held), so that one slow batch does not leave the connection idle."""
 
 
 class RemoteError(TensorStoreError, OSError):

@@ -350,11 +350,13 @@ class Store:
                 yield entry
             else:
                 if not self._local:
-                    self._rawfile().prefetch(self._ranges(entry))
+                    with self._fetching([entry.path]):
+                        self._rawfile().prefetch(self._ranges(entry))
                 value = self._read_leaf(entry, alive, None, None, None, verify)
                 if entry.path in tied:
                     kept[entry.path] = value
                 yield Leaf(entry.path, entry.key, value)
+                del value  # not held while the next leaf is read
 
     def nbytes_of(self, select: Selector = None) -> int:
         """Bytes of tensor and array data that ``select`` picks (tied tensors counted once)."""

@@ -431,6 +431,7 @@ class Writer:
                 except UnsupportedTypeError as e:
                     raise UnsupportedTypeError(f"{self.path}: {e}") from None
             self._write_nodes([node])
+            del node  # not held while the next one is read
 
     def _write_root(self, nodes: list[Container | Leaf]) -> None:
         self._check_open()

@@ -267,3 +267,29 @@ def test_h5_to_h5_streams_key_by_key_and_keeps_ties_and_versions(tmp_path, monke
     assert out["model"]["head"] is out["model"]["w0"] and out["model"]._metadata == sd._metadata
     assert out["step"] == 7 and out["betas"] == (0.9, 0.99)
     assert all(torch.equal(out["model"][k], v) for k, v in sd.items())
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".h5"])
+def test_conversions_hold_one_tensor_at_a_time(tmp_path, suffix) -> None:
+    """Peak RSS growth of a conversion stays near the largest tensor: the previous tensor is
+    let go before the next one is read (it was held, and the peak was two tensors)."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "src.h5"
+    th5.save({f"w{i}": torch.full((32, 2**18), float(i)) for i in range(5)}, src)  # 32 MiB each
+    script = (
+        "import sys, tensorstore_h5 as th5\n"
+        "from tensorstore_h5.bench import _reset_peak, _status\n"
+        "th5._import_all()\n"
+        "_reset_peak()\n"  # ru_maxrss would start at this test process's RSS (a child's peak is its parent's)
+        "base = _status('VmRSS')\n"
+        "th5.convert(sys.argv[1], sys.argv[2], progress=False)\n"
+        "print((_status('VmHWM') - base) / 2**20)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(src), str(tmp_path / f"dst{suffix}")],
+                         capture_output=True, text=True, check=True)
+    peak_mib = float(out.stdout.strip().splitlines()[-1])
+    assert peak_mib < 1.5 * 32, peak_mib
+    back = th5.load(tmp_path / f"dst{suffix}") if suffix == ".h5" else None
+    assert back is None or torch.equal(back["w4"], torch.full((32, 2**18), 4.0))

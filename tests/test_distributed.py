@@ -55,6 +55,12 @@ def _entry(rank: int, world: int, port: int, fn: object, args: tuple) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # A rank that succeeded skips the interpreter's teardown: there, torch's gloo threads once
+    # aborted a finished FSDP2 rank ("terminate called without an active exception", SIGABRT)
+    # under the full suite's load. Failures still raise above and reach mp.spawn's error file.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(world: int, fn: object, *args: object) -> None:

@@ -394,9 +394,13 @@ class Store:
         items: list[Container | Leaf] = []
         fmap = io.FileMap(self._rawfile()) if mmap else None
         entries = self._layout.select(included)
-        if self._local and not mmap and io.READAHEAD_BYTES:  # from a cold cache the kernel reads ahead of the I/O threads
-            self._rawfile().willneed([r for e in entries for r in self._ranges(e)])
-        with self._batched(progress, sum(_data_bytes(e) for e in entries)) as (bar, plan):
+        cold = False
+        if self._local and not mmap:
+            ranges = [r for e in entries if not isinstance(e, Container) for r in self._ranges(e)]
+            cold = not self._rawfile().cached(ranges)  # then more reads in flight (io.COLD_IO_THREADS)
+            if io.READAHEAD_BYTES:  # from a cold cache the kernel reads ahead of the I/O threads
+                self._rawfile().willneed(ranges)
+        with self._batched(progress, sum(_data_bytes(e) for e in entries), cold) as (bar, plan):
             for group in self._fetched(entries):
                 for entry in group:
                     if isinstance(entry, Container):
@@ -520,14 +524,17 @@ class Store:
             raise FormatError(f"{self.path}: key {entry.path!r}: {_why(e)}") from e
 
     @contextmanager
-    def _batched(self, progress: bool | None, nbytes: int) -> Iterator[tuple[Progress, io.ReadPlan | None]]:
+    def _batched(self, progress: bool | None, nbytes: int, cold: bool = False
+                 ) -> Iterator[tuple[Progress, io.ReadPlan | None]]:
         """``(bar, plan)`` for a multi-tensor read: a progress bar over ``nbytes``, and one read
         plan for both cores when no bar is shown (reads then finish at the end of the block;
-        with a bar each tensor is read as it comes, so the bar moves). An error inside the
-        block abandons the plan's queued reads; the bar is closed either way."""
+        with a bar each tensor is read as it comes, so the bar moves); ``cold`` (the bytes are
+        not in the page cache): the plan keeps :data:`io.COLD_IO_THREADS` reads in flight. An
+        error inside the block abandons the plan's queued reads; the bar is closed either way."""
         bar = Progress(progress, desc=f"loading {os.path.basename(self.path)}")
         bar.total(nbytes)
-        plan = io.ReadPlan(self._rawfile()) if bar.silent and self._local else None
+        threads = io.COLD_IO_THREADS if cold else None
+        plan = io.ReadPlan(self._rawfile(), threads) if bar.silent and self._local else None
         try:
             yield bar, plan
             if plan is not None:

@@ -337,3 +337,48 @@ def test_willneed_takes_any_ranges(tmp_path) -> None:
     assert th5io.coalesce([(0, 100), (50, 10**9), (0, 0), (2 * 10**9, 5)], 1 << 20) == [[0, 10**9 + 50], [2 * 10**9, 2 * 10**9 + 5]]
     raw.close()
     raw.willneed([(0, 100)])  # closed: nothing
+
+
+def _evict(path) -> None:
+    """Drop ``path``'s pages from the page cache (written back first)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no RWF_NOWAIT here")
+def test_cached_tells_a_cold_file_from_a_warm_one(tmp_path) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(4 << 20))
+    _evict(path)
+    raw = io.RawFile(str(path))
+    try:
+        assert not raw.cached([(0, 1 << 20), (3 << 20, 1 << 20)])
+        raw.read(0, 4 << 20)  # now in the page cache
+        assert raw.cached([(0, 1 << 20), (3 << 20, 1 << 20)])
+        assert raw.cached([]) and raw.cached([(5, 0)])  # nothing to probe
+    finally:
+        raw.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no RWF_NOWAIT here")
+def test_a_cold_load_keeps_more_reads_in_flight(tmp_path, monkeypatch) -> None:
+    sd = {f"w{i}": torch.randn(512, 1024) for i in range(8)}  # 16 MiB: more than one batch
+    path = tmp_path / "ckpt.h5"
+    th5.save(sd, path)
+    threads: list[int | None] = []
+    real = io.ReadPlan.__init__
+
+    def init(self, raw, threads_=None):
+        threads.append(threads_)
+        real(self, raw, threads_)
+
+    monkeypatch.setattr(io.ReadPlan, "__init__", init)
+    _evict(path)
+    cold = th5.load(path, progress=False)
+    warm = th5.load(path, progress=False)
+    assert threads == [io.COLD_IO_THREADS, None]
+    assert all(torch.equal(cold[k], v) and torch.equal(warm[k], v) for k, v in sd.items())

@@ -31,9 +31,9 @@ from .dtypes import bits_view
 from .slicing import Selection, has_gaps, rows, stride_span
 
 __all__ = [
-    "BLOCK_BYTES", "IO_THREADS", "COLD_IO_THREADS", "PIECE_BYTES", "MAP_MIN_BYTES", "HUGEPAGES", "HUGEPAGE_MIN_BYTES",
-    "GATHER_WINDOW", "tensor_bytes", "empty", "read_hdf5", "write_hdf5", "write_tensor", "row_blocks", "restore_layout",
-    "gather", "RawFile", "FileMap", "ReadPlan", "run_jobs",
+    "BLOCK_BYTES", "IO_THREADS", "COLD_IO_THREADS", "PIECE_BYTES", "MAP_MIN_BYTES", "HUGEPAGES",
+    "HUGEPAGE_MIN_BYTES", "GATHER_WINDOW", "tensor_bytes", "empty", "read_hdf5", "write_hdf5",
+    "write_tensor", "row_blocks", "restore_layout", "gather", "RawFile", "FileMap", "ReadPlan", "run_jobs",
 ]
 
 BLOCK_BYTES = 64 * 2**20
@@ -235,10 +235,10 @@ class RawFile:
         """Nothing to do (see :meth:`prefetch`)."""
 
     def cached(self, ranges: Sequence[tuple[int, int]], probes: int = 8) -> bool:
-        """Whether the page cache holds the file's bytes at the start, middle and end of
-        ``(offset, nbytes)`` ranges (``probes`` one-byte reads with ``RWF_NOWAIT``, which fail
-        rather than wait for the disk). True where the probe does not exist (then nothing is
-        assumed cold)."""
+        """Whether the page cache holds the first and last byte of up to ``probes`` of the
+        ``(offset, nbytes)`` ranges, spread over the list (one-byte reads with ``RWF_NOWAIT``,
+        which fail rather than wait for the disk). True where the probe does not exist (then
+        nothing is assumed cold)."""
         nowait = getattr(os, "RWF_NOWAIT", None)
         ranges = [r for r in ranges if r[1] > 0]
         if nowait is None or self._fd is None or not ranges:

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple, Union
 import torch
 
 from . import tree
-from .errors import MismatchError
+from .errors import NAMED_KEYS, MismatchError, few
 from .format import Container, TensorEntry
 from .select import Selector
 from .sharded import ShardedStore
@@ -19,10 +19,6 @@ from .store import Device, Store
 __all__ = ["load", "load_into", "LoadResult"]
 
 PathLike = Union[str, "os.PathLike[str]"]
-
-NAMED_KEYS = 5
-"""Error messages name at most this many keys, then say how many more."""
-
 
 def _is_directory(path: Any) -> bool:
     return isinstance(path, (str, os.PathLike)) and os.path.isdir(path)
@@ -89,12 +85,6 @@ class LoadResult(NamedTuple):
     unexpected_keys: list[str]
 
 
-def _few(items: list[str]) -> str:
-    """At most :data:`NAMED_KEYS` items (already formatted), then how many more."""
-    shown = ", ".join(items[:NAMED_KEYS])
-    return shown + (f" and {len(items) - NAMED_KEYS} more" if len(items) > NAMED_KEYS else "")
-
-
 def _slots(target: Any, path: str = "") -> dict[str, tuple[Any, Any]]:
     """Key path -> (container, key) of every tensor in a nested dict/list of tensors."""
     out: dict[str, tuple[Any, Any]] = {}
@@ -151,7 +141,7 @@ def _alias_groups(targets: dict[str, torch.Tensor], order: list[str]) -> tuple[l
 
 
 def _problem(what: str, keys: list[str]) -> list[str]:
-    return [f"{what}: {_few(keys)}"] if keys else []
+    return [f"{what}: {few(keys)}"] if keys else []
 
 
 def load_into(
@@ -248,7 +238,7 @@ def load_into(
         problems += _problem("shapes differ", shapes) + _problem("not tensors in the file", not_tensor)
         problems += _problem("dtypes differ (strict_dtype)", dtypes)
         if meta:
-            problems.append(f"targets on the meta device (no memory to fill): {_few(meta)}; pass assign=True to "
+            problems.append(f"targets on the meta device (no memory to fill): {few(meta)}; pass assign=True to "
                             "materialise them from the file")
         fill, overlap = _alias_groups(targets, order) if not assign else (order, [])
         problems += overlap[:NAMED_KEYS]

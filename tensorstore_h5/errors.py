@@ -15,7 +15,18 @@ __all__ = [
     "MismatchError",
     "WriteError",
     "TensorStoreWarning",
+    "NAMED_KEYS",
+    "few",
 ]
+
+NAMED_KEYS = 5
+"""Error messages name at most this many keys, then say how many more."""
+
+
+def few(items: list[str]) -> str:
+    """At most :data:`NAMED_KEYS` items (already formatted), then how many more."""
+    shown = ", ".join(items[:NAMED_KEYS])
+    return shown + (f" and {len(items) - NAMED_KEYS} more" if len(items) > NAMED_KEYS else "")
 
 
 class TensorStoreError(Exception):

@@ -26,7 +26,7 @@ from . import format as fmt
 from .codecs import DECODE_COST, ChunkReader, DecodeError
 from .display import Progress, human_bytes
 from .dtypes import bits_view
-from .errors import FormatError, KeyNotFoundError, MismatchError, TensorStoreError
+from .errors import FormatError, KeyNotFoundError, MismatchError, TensorStoreError, few
 from .format import ArrayEntry, Chunked, Container, Contiguous, ForeignEntry, Layout, TensorEntry, ValueEntry
 from .hdf5source import HDF5Read
 from .select import Selector, closest, resolve
@@ -396,7 +396,7 @@ class Store:
         entries = self._layout.select(included)
         cold = False
         if self._local and not mmap:
-            ranges = [r for e in entries if not isinstance(e, Container) for r in self._ranges(e)]
+            ranges = [r for e in entries for r in self._ranges(e)]
             cold = not self._rawfile().cached(ranges)  # then more reads in flight (io.COLD_IO_THREADS)
             if io.READAHEAD_BYTES:  # from a cold cache the kernel reads ahead of the I/O threads
                 self._rawfile().willneed(ranges)
@@ -606,34 +606,31 @@ class Store:
         return None
 
     def _keyed(self, job: Callable[[], None], entry: TensorEntry | ArrayEntry) -> Callable[[], None]:
-        """``job`` with read errors turned into a FormatError naming the file and key."""
+        """``job`` with read errors turned into a FormatError naming the file and key (a
+        failed request stays a RemoteError and gains the key)."""
         def run() -> None:
             try:
-                job()
-            except remote.RemoteError as e:
-                raise self._naming_keys(e, [entry.path]) from e
+                with self._fetching([entry.path]):
+                    job()
             except TensorStoreError:
                 raise
             except _READ_ERRORS as e:
                 raise FormatError(f"{self.path}: key {entry.path!r}: {_why(e)}") from e
         return run
 
-    def _naming_keys(self, e: remote.RemoteError, keys: list[str]) -> remote.RemoteError:
-        """``e`` (a failed request) again, its message naming the keys being read."""
-        message, prefix = str(e), f"{self.path}: "
-        if not keys or message.startswith(prefix + "key"):
-            return e
-        shown = ", ".join(repr(k) for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-        rest = message[len(prefix):] if message.startswith(prefix) else message
-        return remote.RemoteError(f"{prefix}{'key' if len(keys) == 1 else 'keys'} {shown}: {rest}")
-
     @contextmanager
     def _fetching(self, keys: list[str]) -> Iterator[None]:
-        """Remote errors raised inside name ``keys``, the keys whose bytes are fetched."""
+        """Remote errors raised inside name ``keys``, the keys whose bytes are fetched (an
+        error that already names a key is left as it is)."""
         try:
             yield
         except remote.RemoteError as e:
-            raise self._naming_keys(e, keys) from e
+            message, prefix = str(e), f"{self.path}: "
+            if not keys or message.startswith(prefix + "key"):
+                raise
+            rest = message[len(prefix):] if message.startswith(prefix) else message
+            names = few([repr(k) for k in keys])
+            raise remote.RemoteError(f"{prefix}{'key' if len(keys) == 1 else 'keys'} {names}: {rest}") from e
 
     def _target(self, device: Device, key: str) -> torch.device | None:
         """The device a leaf goes to: None for the CPU (any spelling), else a device that

@@ -521,15 +521,17 @@ class Writer:
             return dsid, None
         self._replaced.release(nbytes)
         if not chunked:
-            if t.device.type == "cpu" and t.is_contiguous():  # the common case, in one write from its memory
-                hashes = tuple(checksum.block_hashes(io.write_hdf5(dsid, h5type, t), checksum.HASH_BLOCK))
+            offset = dsid.get_offset()  # allocated when created (ALLOC_TIME_EARLY, see _dcpl)
+            if offset is None:
+                raise OSError("HDF5 did not allocate the dataset's data")
+            if t.device.type == "cpu" and t.is_contiguous():  # the common case: one pwrite from its memory
+                data = io.tensor_buffer(t)
+                io.pwrite_all(self._fd, data, offset)
+                hashes = tuple(checksum.block_hashes(data, checksum.HASH_BLOCK))
             else:
                 hasher = checksum.BlockHasher(checksum.block_ends(nbytes, checksum.HASH_BLOCK))
                 io.write_tensor(dsid, h5type, t, on_bytes=hasher.update)
                 hashes = tuple(hasher.finish())
-            offset = dsid.get_offset()
-            if offset is None:
-                raise OSError("HDF5 did not allocate the dataset's data")
             return dsid, Contiguous(offset, nbytes, hashes)
         chunk = tuple(int(c) for c in dcpl.get_chunk())
         probe = Chunked(shape, itemsize, chunk, fmt.BLOSC2_ID, (), ())  # geometry only
@@ -584,6 +586,7 @@ class Writer:
 def _dcpl() -> h5py.h5p.PropDCID:
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
     dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
     dcpl.set_obj_track_times(False)
     return dcpl
 

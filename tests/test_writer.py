@@ -254,7 +254,7 @@ def test_failed_save_over_a_released_file_leaves_it_intact(tmp_path, monkeypatch
     old = {f"w{i}": torch.randn(128, 1024) for i in range(4)}
     th5.save(old, path)
     before = path.read_bytes()
-    real = th5.io.write_hdf5
+    real = th5.io.pwrite_all
     count = [0]
 
     def failing(*args, **kwargs):
@@ -263,7 +263,7 @@ def test_failed_save_over_a_released_file_leaves_it_intact(tmp_path, monkeypatch
             raise OSError(28, "No space left on device")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(th5.io, "write_hdf5", failing)
+    monkeypatch.setattr(th5.io, "pwrite_all", failing)
     with pytest.raises(OSError, match="ckpt.h5: cannot write key 'w2' \\(no space left on the device\\).*nothing"):
         th5.save({f"w{i}": torch.zeros(128, 1024) for i in range(4)}, path)
     assert path.read_bytes() == before and _files(tmp_path) == ["ckpt.h5"]

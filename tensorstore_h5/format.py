@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Union
@@ -34,7 +34,8 @@ __all__ = [
     "ATTR_METADATA", "ATTR_TORCH_DTYPE", "ATTR_STRIDE", "FILTERS", "BITSHUFFLE_ID", "BLOSC2_ID", "Header",
     "pack_header", "parse_header", "Contiguous", "Chunked", "Extent", "Container", "TensorEntry", "ArrayEntry",
     "ValueEntry", "ForeignEntry", "Entry", "Layout", "parse_layout", "parse_layout_v2", "read_layout_v1",
-    "layout_text", "write_root_attrs", "write_dataset_attrs", "check_metadata", "contiguous_stride", "stride_span", "has_gaps", "claims_format",
+    "layout_text", "write_root_attrs", "write_dataset_attrs", "check_metadata", "contiguous_stride", "stride_span",
+    "has_gaps", "claims_format", "decode_lines", "READ_AHEAD_MIN", "READ_AHEAD_MAX",
 ]
 
 FORMAT_NAME = "tensorstore_h5"
@@ -340,6 +341,8 @@ class Layout:
         self.file_size: int | None = None
         self._lines: list[bytes] | None = None
         self._items: list[Any] | None = None
+        self._last = -1    # the entry last parsed on its own (see _read_ahead)
+        self._window = 0
         if entries is not None:
             parsed = list(entries)
             self._parsed: list[Entry | None] = list(parsed)
@@ -362,7 +365,31 @@ class Layout:
     def entry(self, path: str) -> Entry | None:
         """The entry at ``path`` (parsed and checked now if it was not yet), or None."""
         i = self._index.get(path)
-        return None if i is None else self._parse(i)
+        if i is None:
+            return None
+        if self._parsed[i] is None and self._lines is not None:
+            self._read_ahead(i)
+        return self._parse(i)
+
+    def _read_ahead(self, i: int) -> None:
+        """Parse the entries after ``i`` too when entries are asked for in order (a loop over
+        the keys): a window of lines, doubling from 16 to 1,024 while the order holds, is
+        decoded at once. An entry of the window that is damaged is left unparsed, to be refused
+        when it is asked for. Parsing one line at a time between reads cost 3x as much a line."""
+        sequential = 0 < i - self._last <= 4
+        self._last = i
+        if not sequential:
+            self._window = 0
+            return
+        assert self._lines is not None
+        self._window = min(max(2 * self._window, READ_AHEAD_MIN), READ_AHEAD_MAX)
+        stop = min(len(self._lines), i + self._window)
+        for j, raw in decode_lines(self._lines, [j for j in range(i, stop) if self._parsed[j] is None]):
+            try:
+                self._parse(j, raw)
+            except FormatError:
+                pass
+        self._last = stop - 1
 
     def _parse(self, i: int, raw: Any = None) -> Entry:
         entry = self._parsed[i]
@@ -389,18 +416,41 @@ class Layout:
         """The entries at ``paths`` (all when None), in saved order; only those are parsed."""
         wanted = range(len(self._parsed)) if paths is None else sorted(self._index[p] for p in paths if p in self._index)
         missing = [i for i in wanted if self._parsed[i] is None]
-        if self._lines is not None and len(missing) > 16:  # one json.loads for all of them
-            try:
-                bulk = json.loads(b"[" + b",".join(self._lines[i] for i in missing) + b"]")
-            except (ValueError, RecursionError) as e:
-                raise FormatError(f"{self.file}: damaged layout (not valid JSON): {e}") from e
-            for i, raw in zip(missing, bulk):
+        if self._lines is not None and len(missing) > 16:  # decoded together (a damaged line on its own, below)
+            for i, raw in decode_lines(self._lines, missing):
                 self._parse(i, raw)
         return [self._parse(i) for i in wanted]
 
     @property
     def leaves(self) -> list[Leaf]:
         return [e for e in self.entries if not isinstance(e, Container)]  # type: ignore[misc]
+
+
+READ_AHEAD_MIN, READ_AHEAD_MAX = 16, 1024
+"""Entry lines a layout decodes at once when its entries are asked for in order (doubling)."""
+
+_scan = json.JSONDecoder().scan_once
+
+
+def decode_lines(lines: Sequence[bytes], indexes: Sequence[int]) -> list[tuple[int, Any]]:
+    """``(i, value)`` for each line ``lines[i]`` (``i`` in ``indexes``) that is exactly one JSON
+    text of ASCII characters, decoded together: ~2.5x faster a line than ``json.loads`` each.
+    Lines of any other form are left out, so that ``json.loads`` decodes (or refuses) each
+    alone: joining lines into one JSON array instead would let a line holding ``1,2`` and two
+    lines holding halves of one value decode as well-formed entries, shifted."""
+    picked = [i for i in indexes if lines[i].isascii()]
+    text = "\n".join([lines[i].decode("ascii") for i in picked])
+    out, pos = [], 0
+    for i in picked:
+        stop = pos + len(lines[i])
+        try:
+            value, end = _scan(text, pos)
+        except (StopIteration, ValueError, RecursionError):
+            end = -1
+        if end == stop:
+            out.append((i, value))
+        pos = stop + 1
+    return out
 
 
 class _Earlier:

@@ -261,3 +261,57 @@ def test_format_doc_reader_reads_the_golden_file() -> None:
     assert plain["model/enc.0.weight"].stride() == (1, 12)
     assert torch.equal(plain["model/enc.0.gate"], ref["model"]["enc.0.gate"]) and plain["model/enc.0.gate"].stride() == (1, 4)
     assert plain["values/6"] == "text" and plain["values/2"] == 2**70
+
+
+def test_decode_lines_takes_only_lines_that_are_one_json_text_each() -> None:
+    """Lines decoded together must decode as each alone would: a line holding two values, or
+    two lines holding halves of one, are left out (json.loads refuses them one by one)."""
+    lines = [b'{"a":1}', b"1,2", b'{"x":[3', b"4]}", b"\xff{}", b' {"b":2}', b'{"c":[1,{"d":null}]}', b""]
+    assert fmt.decode_lines(lines, range(len(lines))) == [(0, {"a": 1}), (6, {"c": [1, {"d": None}]})]
+    assert fmt.decode_lines(lines, [6, 0]) == [(6, {"c": [1, {"d": None}]}), (0, {"a": 1})]
+
+
+def _v2_layout(tmp_path: Path, n: int, edit=None) -> tuple[fmt.Layout, list[str]]:
+    """The parsed layout of a file of ``n`` tensors ``t00``..., its entry lines changed by
+    ``edit(lines, index)`` (``index``: key -> line number) first."""
+    path = tmp_path / "many.h5"
+    th5.save({f"t{i:02d}": torch.full((4,), float(i)) for i in range(n)}, path)
+    with h5py.File(path) as f:
+        head, *lines = bytes(f["%layout"][()]).split(b"\n")
+    index = {p: i for i, p in enumerate(json.loads(head)["paths"])}
+    if edit is not None:
+        edit(lines, index)
+    return fmt.parse_layout_v2(b"\n".join([head, *lines]), "many.h5", path.stat().st_size), sorted(index)[1:]
+
+
+def test_entries_split_across_lines_are_refused_by_the_bulk_parse(tmp_path) -> None:
+    def split(lines, index):  # t05's line gets t06's first field; t06's line keeps the rest
+        i, j = index["t05"], index["t06"]
+        first, rest = lines[j].split(b",", 1)
+        lines[i], lines[j] = lines[i] + b"," + first, rest
+
+    layout, keys = _v2_layout(tmp_path, 40, split)
+    with pytest.raises(th5.FormatError, match="many.h5: damaged layout entry .*key 't05'"):
+        layout.select(None)
+    layout, _ = _v2_layout(tmp_path, 40, split)
+    with pytest.raises(th5.FormatError, match="key 't06'"):
+        layout.select({"t06"} | {f"t{i:02d}" for i in range(20, 40)})
+
+
+def test_entries_asked_for_in_order_are_parsed_ahead_and_a_damaged_one_only_when_asked(tmp_path) -> None:
+    def damage(lines, index):
+        lines[index["t20"]] = b'{"dtype":"float32","shape":"four"}'
+
+    layout, keys = _v2_layout(tmp_path, 40, damage)
+    assert layout.entry("t00").shape == (4,) and layout.entry("t01").shape == (4,)
+    assert layout._parsed[layout._index["t10"]] is not None  # in order: the next lines were parsed at once
+    for k in keys:
+        if k == "t20":
+            with pytest.raises(th5.FormatError, match="many.h5: damaged layout entry .*key 't20'.*shape"):
+                layout.entry(k)
+        else:
+            assert layout.entry(k).shape == (4,) and layout.entry(k).path == k
+    random_order, _ = _v2_layout(tmp_path, 40)
+    random_order.entry("t30")
+    random_order.entry("t03")
+    assert [e is not None for e in random_order._parsed].count(True) == 2  # out of order: one at a time

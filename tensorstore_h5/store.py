@@ -610,8 +610,11 @@ class Store:
         failed request stays a RemoteError and gains the key)."""
         def run() -> None:
             try:
-                with self._fetching([entry.path]):
+                if self._local:
                     job()
+                else:
+                    with self._fetching([entry.path]):
+                        job()
             except TensorStoreError:
                 raise
             except _READ_ERRORS as e:
@@ -807,7 +810,7 @@ class Store:
                 reader.read(off, buf)
             else:
                 assert isinstance(where, Contiguous)
-                raw.pread(where.offset + off, memoryview(buf).cast("B"))
+                raw.pread(where.offset + off, buf if type(buf) is memoryview else memoryview(buf).cast("B"))
 
         if out is not None and _staged(out) and out.is_contiguous() and not sel.empty:
             if verify:
@@ -841,9 +844,9 @@ class Store:
                     assert queue is not None
                     queue.add_job(self._keyed(job, entry), job.n * DECODE_COST)
             elif queue is None:  # one small range: read it here
-                self._keyed(lambda: fetch(skip, io.tensor_bytes(dest)), entry)()
+                self._keyed(lambda: fetch(skip, io.tensor_buffer(dest)), entry)()
                 if verify and where.hashes is not None and \
-                        checksum.block_hashes(io.tensor_bytes(dest), where.block) != list(where.hashes):
+                        checksum.block_hashes(io.tensor_buffer(dest), where.block) != list(where.hashes):
                     raise FormatError(f"{self.path}: key {entry.path!r}: {_why(checksum.ChecksumError('its data'))}")
             else:
                 assert isinstance(where, Contiguous)

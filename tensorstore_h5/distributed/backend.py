@@ -59,6 +59,7 @@ from ..compression import Compression
 from ..dtypes import spec_for_torch
 from ..errors import FormatError, UnsupportedTypeError
 from ..format import ValueEntry
+from ..sharded.reads import Reads, block_selection
 from ..writer import Writer
 
 __all__ = ["H5StorageWriter", "H5StorageReader", "save", "load"]
@@ -610,7 +611,7 @@ class H5StorageReader(StorageReader):
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner, store: sharded.ShardedStore) -> None:
         layout = store._layout
-        reads = sharded._Reads()
+        reads = Reads()
         commits = []
         verified: set[tuple[str, str]] = set()
         for req in plan.items:
@@ -630,8 +631,8 @@ class H5StorageReader(StorageReader):
                 verified.add((piece.file, piece.key))
             if piece.numel:
                 loc = store._files.locate(piece, entry)
-                reads.region(loc, piece.shape, entry.dtype, sharded._box(piece.shape, req.storage_offsets, req.lengths),
-                             dest)
+                local = block_selection(piece.shape, req.storage_offsets, req.lengths)
+                reads.region(loc, piece.shape, entry.dtype, local, dest)
             commits.append((req, dest))
         reads.run()
         for req, dest in commits:

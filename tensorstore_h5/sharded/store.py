@@ -1,0 +1,538 @@
+""":class:`ShardedStore`: a checkpoint directory opened read-only as one store of its global
+tensors, in one process (no process group)."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from .. import io, tree
+from ..display import Progress, human_bytes
+from ..dtypes import bits_view
+from ..errors import FormatError, KeyNotFoundError, MismatchError, TensorStoreError
+from ..format import ValueEntry
+from ..select import Selector, closest, resolve
+from ..slicing import Selection, contiguous_stride, select as select_index
+from ..tree import Container, Leaf
+from .index import (
+    DCP_METADATA, DirectoryIndex, DirEntry, HF_INDEX_SUFFIX, INDEX_NAME, INDEX_VERSION, PathLike, Piece, RANK_INDEX,
+    rank_index_name, read_index, ShardedArrayEntry, ShardedTensorEntry,
+)
+from .reads import piece_overlap, Reads, Th5Files
+from .safetensors import safetensors_index
+
+__all__ = ["is_checkpoint_directory", "ShardedTensorHandle", "ShardedStore", "open_directory"]
+
+# ---------------------------------------------------------------------------- the view
+
+
+def is_checkpoint_directory(path: PathLike) -> bool:
+    """True when ``path`` is a directory that :class:`ShardedStore` opens."""
+    p = os.fspath(path)
+    if not os.path.isdir(p):
+        return False
+    names = os.listdir(p)
+    return INDEX_NAME in names or any(n.endswith(HF_INDEX_SUFFIX) for n in names) or "model.safetensors" in names \
+        or any(RANK_INDEX.fullmatch(n) for n in names)
+
+
+class ShardedTensorHandle:
+    """A lazy view of one global tensor of a directory: metadata now, bytes when indexed.
+
+    ``h[10:20]``, ``h[:, 3:7]`` read only the pieces that overlap the selection, and of each
+    only the overlap; :meth:`read` fills ``out`` in place.
+    """
+
+    __slots__ = ("_store", "_entry")
+
+    def __init__(self, store: ShardedStore, entry: ShardedTensorEntry) -> None:
+        self._store = store
+        self._entry = entry
+
+    @property
+    def key(self) -> str:
+        return self._entry.path
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._entry.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._entry.dtype.torch_dtype
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        return contiguous_stride(self._entry.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self._entry.nbytes
+
+    @property
+    def ndim(self) -> int:
+        return len(self._entry.shape)
+
+    def numel(self) -> int:
+        return self._entry.numel
+
+    def __len__(self) -> int:
+        if not self._entry.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self._entry.shape[0]
+
+    @property
+    def pieces(self) -> list[Piece]:
+        """Where the tensor is stored: file, key in the file, offsets and shape of each block."""
+        return list(self._entry.pieces)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.read(index=index)
+
+    def read(self, out: torch.Tensor | None = None, *, index: Any = None, verify: bool = False) -> torch.Tensor:
+        """Read the tensor, or the part selected by ``index`` (integers, slices with a positive
+        step, ``...``), into ``out`` (any tensor of the selection's shape and of this dtype,
+        checked first) or a new CPU tensor. ``verify`` checks the stored checksums of the
+        pieces read (a second pass over their bytes)."""
+        return self._store._read_handle(self._entry, index, out, verify)
+
+    def __repr__(self) -> str:
+        e = self._entry
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (f"<ShardedTensorHandle {e.path!r} shape={list(e.shape)} dtype={dtype} {human_bytes(e.nbytes)} "
+                f"in {len(e.pieces)} piece(s)>")
+
+
+class ShardedStore:
+    """A checkpoint directory opened read-only as one store, in one process (no process group).
+
+    Opens a directory written by :mod:`tensorstore_h5.distributed` (DCP) or by
+    :func:`from_safetensors_dir` (``tensorstore_h5.json``), or a Hugging Face sharded
+    safetensors checkpoint (``model.safetensors.index.json`` + shards, or a lone
+    ``model.safetensors``). Keys, shapes and dtypes are those of the *global* tensors.
+
+    Example::
+
+        with ShardedStore("ckpt/") as store:
+            store.keys()
+            h = store["model/layers.0.attn.wq.weight"]   # the whole tensor, whichever ranks wrote it
+            rows = h[0:16]                                # reads only the pieces holding rows 0..15
+
+    Args:
+        path: the directory (or its index file).
+        rank: open the rank-local index of a save made without collectives
+            (``use_collectives=False``), which holds only that rank's pieces.
+
+    Raises:
+        FileNotFoundError: no such directory.
+        FormatError: no index, a damaged index, or a directory of another kind.
+    """
+
+    def __init__(self, path: PathLike, *, rank: int | None = None) -> None:
+        p = os.fspath(path)
+        index_file = None
+        if os.path.isfile(p) and (os.path.basename(p) == INDEX_NAME or p.endswith(HF_INDEX_SUFFIX)):
+            p, index_file = os.path.dirname(p) or ".", os.path.basename(p)
+        if not os.path.isdir(p):
+            if not os.path.exists(p):
+                raise FileNotFoundError(f"{p}: no such checkpoint directory")
+            raise FormatError(f"{p}: not a directory (open files with tensorstore_h5.open)")
+        self.path = p
+        names = set(os.listdir(p))
+        self._files: Any
+        if rank is not None:
+            self._layout = self._read_ours(rank_index_name(rank))
+            self._files = Th5Files(self._layout)
+        elif index_file == INDEX_NAME or (index_file is None and INDEX_NAME in names):
+            self._layout = self._read_ours(INDEX_NAME)
+            self._files = Th5Files(self._layout)
+        else:
+            hf = [index_file] if index_file else sorted(n for n in names if n.endswith(HF_INDEX_SUFFIX))
+            if "model.safetensors.index.json" in hf:
+                hf = ["model.safetensors.index.json"]
+            if len(hf) == 1 or (not hf and "model.safetensors" in names):
+                self._layout, self._files = safetensors_index(p, hf[0] if hf else None)
+            elif len(hf) > 1:
+                raise FormatError(f"{p}: several safetensors indexes ({', '.join(hf)}); open one of them by its path")
+            elif DCP_METADATA in names:
+                raise FormatError(f"{p}: a checkpoint of torch.distributed.checkpoint's FileSystemWriter, whose metadata "
+                                  "is pickled: tensorstore_h5 does not unpickle; load it with dcp.load and save it again "
+                                  "with tensorstore_h5.distributed.H5StorageWriter")
+            elif any(RANK_INDEX.fullmatch(n) for n in names):
+                ranks = sorted(int(m.group("rank")) for n in names if (m := RANK_INDEX.fullmatch(n)))
+                raise FormatError(f"{p}: only rank-local indexes (a save with use_collectives=False, ranks "
+                                  f"{ranks[:8]}{'...' if len(ranks) > 8 else ''}); open one with ShardedStore(path, rank=r)")
+            else:
+                raise FormatError(f"{p}: not a checkpoint directory: no {INDEX_NAME}, no *{HF_INDEX_SUFFIX} and no "
+                                  "model.safetensors")
+        self.index_path = self._layout.path
+        self._closed = False
+
+    def _read_ours(self, name: str) -> DirectoryIndex:
+        try:
+            return read_index(self.path, name)
+        except FileNotFoundError:
+            raise FormatError(f"{os.path.join(self.path, name)}: no such index in the directory") from None
+
+    # -- mapping-like view ---------------------------------------------------------------
+
+    @property
+    def kind(self) -> str:
+        """``"tensorstore_h5"`` (format-2 files and an index) or ``"safetensors"`` (Hugging Face)."""
+        return "safetensors" if self._layout.safetensors else "tensorstore_h5"
+
+    @property
+    def format_version(self) -> int | None:
+        """The directory index version (2), or None for a safetensors directory."""
+        return None if self._layout.safetensors else INDEX_VERSION
+
+    @property
+    def save_id(self) -> str | None:
+        return self._layout.save_id
+
+    @property
+    def files(self) -> list[str]:
+        """The data files of the directory that the index names."""
+        return list(self._layout.files)
+
+    def keys(self) -> list[str]:
+        """Key paths of every leaf, in saved order."""
+        return list(self._layout.leaf_paths)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._layout.leaf_paths)
+
+    def __len__(self) -> int:
+        return len(self._layout.leaf_paths)
+
+    def __contains__(self, key: object) -> bool:
+        e = self._layout.entry(key) if isinstance(key, str) else None
+        return e is not None and not isinstance(e, Container)
+
+    def __getitem__(self, key: str) -> Any:
+        """A :class:`ShardedTensorHandle` for a tensor; the value of other leaves (arrays are read)."""
+        entry = self._entry(key)
+        if isinstance(entry, ShardedTensorEntry):
+            return ShardedTensorHandle(self, entry)
+        return self._read_leaf(entry, None, False)
+
+    def _entry(self, key: str) -> DirEntry:
+        entry = self._layout.entry(key)
+        if entry is None or isinstance(entry, Container):
+            if entry is not None:
+                raise KeyNotFoundError(f"{self.path}: {key!r} is a container, not a leaf; use store.load(select={key!r})")
+            near = closest(key, self._layout.leaf_paths)
+            hint = f"; closest keys: {', '.join(map(repr, near))}" if near else ""
+            raise KeyNotFoundError(f"{self.path}: no key {key!r}{hint}")
+        return entry
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The user metadata (a copy)."""
+        return dict(self._layout.metadata)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._layout.entries if isinstance(e, (ShardedTensorEntry, ShardedArrayEntry)))
+
+    def selected_keys(self, select: Selector = None) -> list[str]:
+        included = resolve(select, self._layout.leaf_paths, self._layout.container_paths, self.path)
+        return [p for p in self._layout.leaf_paths if p in included]
+
+    def leaf_info(self, key: str) -> dict[str, Any]:
+        """What ``tensorstore-h5 ls`` prints for ``key`` (the same fields as for a file, and the
+        number of pieces)."""
+        e = self._entry(key)
+        if isinstance(e, ShardedTensorEntry):
+            return {"key": key, "kind": "tensor", "shape": list(e.shape), "dtype": e.dtype.name, "nbytes": e.nbytes,
+                    "pieces": len(e.pieces)}
+        if isinstance(e, ShardedArrayEntry):
+            return {"key": key, "kind": "ndarray", "shape": list(e.shape), "dtype": str(e.dtype), "nbytes": e.nbytes}
+        assert isinstance(e, ValueEntry)
+        return {"key": key, "kind": "value", "type": type(e.value).__name__, "value": repr(e.value)[:60]}
+
+    def info(self) -> dict[str, Any]:
+        """Totals, and per tensor its dtype, shape, bytes and number of pieces."""
+        tensors = {}
+        for e in self._layout.entries:
+            if isinstance(e, ShardedTensorEntry):
+                tensors[e.path] = {"dtype": e.dtype.name, "shape": list(e.shape), "nbytes": e.nbytes, "pieces": len(e.pieces)}
+        file_bytes = 0
+        for name in self._layout.files:
+            try:
+                file_bytes += os.path.getsize(os.path.join(self.path, name))
+            except OSError:
+                pass
+        return {"file": self.path, "kind": self.kind, "format_version": self.format_version, "save_id": self.save_id,
+                "files": len(self._layout.files), "file_bytes": file_bytes, "keys": len(self),
+                "data_bytes": self.nbytes, "metadata": self.metadata, "tensors": tensors}
+
+    # -- loading ------------------------------------------------------------------------
+
+    def items(self, select: Selector = None, device: Device = None, *, verify: bool = False) -> Iterator[tuple[str, Any]]:
+        """Yield ``(key path, value)`` of the selected leaves one at a time, in saved order (each
+        tensor read from its pieces when it is reached; nothing is kept)."""
+        included = resolve(select, self._layout.leaf_paths, self._layout.container_paths, self.path)
+        for entry in self._layout.select(included):
+            if not isinstance(entry, Container):
+                yield entry.path, self._read_leaf(entry, device, verify)
+
+    def load(self, select: Selector = None, device: Device = None, progress: bool | None = None, *,
+             verify: bool = False) -> Any:
+        """Load the selected leaves into the saved nesting (pruned to the selection), reading
+        every piece of every selected tensor once, on the I/O threads.
+
+        Args:
+            select: a glob, a list of exact keys or globs, or a callable on the key path.
+            device: where tensors go: None (CPU), a device, or a mapping / callable from key
+                path to device.
+            progress: a progress bar by bytes (see :func:`tensorstore_h5.save`).
+            verify: check the stored checksums of every piece read (a second pass).
+        """
+        included = resolve(select, self._layout.leaf_paths, self._layout.container_paths, self.path)
+        entries = self._layout.select(included)
+        bar = Progress(progress, desc=f"loading {os.path.basename(self.path.rstrip('/'))}")
+        bar.total(sum(e.nbytes for e in entries if isinstance(e, (ShardedTensorEntry, ShardedArrayEntry))))
+        items: list[Any] = []
+        pending: list[tuple[int, ShardedTensorEntry, torch.Tensor]] = []
+        try:
+            reads = Reads()
+            for entry in entries:
+                if isinstance(entry, Container):
+                    items.append(entry)
+                elif isinstance(entry, ShardedTensorEntry):
+                    self._check_device(device, entry.path)
+                    t = self._empty(entry, entry.shape)
+                    if verify:
+                        self._verify(entry)
+                    self._fill(entry, select_index((), entry.shape), t, reads)
+                    pending.append((len(items), entry, t))
+                    items.append(None)
+                    if not bar.silent:
+                        reads.run()
+                        bar.update(entry.nbytes)
+                else:
+                    items.append(Leaf(entry.path, entry.key, self._read_leaf(entry, device, verify)))
+            reads.run()
+        finally:
+            bar.close()
+        for i, entry, t in pending:
+            items[i] = Leaf(entry.path, entry.key, self._finish(t, entry, device))
+        return tree.inflate(items)
+
+    def _read_leaf(self, entry: DirEntry, device: Device, verify: bool) -> Any:
+        if isinstance(entry, ValueEntry):
+            return entry.value
+        if isinstance(entry, ShardedArrayEntry):
+            if self._layout.safetensors:
+                raise FormatError(f"{self.path}: key {entry.path!r}: arrays are not stored in safetensors directories")
+            if verify:
+                self._files.verify(entry.pieces[0], entry.path)
+            return self._files.read_array(entry)
+        assert isinstance(entry, ShardedTensorEntry)
+        self._check_device(device, entry.path)
+        t = self._empty(entry, entry.shape)
+        if verify:
+            self._verify(entry)
+        reads = Reads()
+        self._fill(entry, select_index((), entry.shape), t, reads)
+        reads.run()
+        return self._finish(t, entry, device)
+
+    def materialize(self, path: str, *, device: Device = None) -> Any:
+        """The value at ``path`` (a leaf or a container, rebuilt with everything under it)."""
+        sub = self._layout.entry(path)
+        if sub is None:
+            raise KeyNotFoundError(f"{self.path}: no key {path!r}")
+        if not isinstance(sub, Container):
+            return self._read_leaf(sub, device, False)
+        result = self.load(select=[path] if path else None, device=device)
+        for name in tree.split(path):
+            kind = type(result)
+            result = result[int(name)] if kind in (list, tuple) else _child(result, name)
+        return result
+
+    def _check_device(self, device: Device, key: str) -> None:
+        dev = self._device(device, key)
+        if dev is not None and dev.type == "cuda" and not torch.cuda.is_available():
+            raise TensorStoreError(f"{self.path}: key {key!r}: device {str(dev)!r} is not available (this torch has no "
+                                   "usable CUDA device)")
+
+    def _device(self, device: Device, key: str) -> torch.device | None:
+        from ..store import _device_for
+
+        dev = _device_for(device, key)
+        if dev is None:
+            return None
+        try:
+            d = torch.device(dev)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise TensorStoreError(f"{self.path}: key {key!r}: invalid device {dev!r} ({e})") from e
+        if d.type == "meta":
+            raise TensorStoreError(f"{self.path}: key {key!r}: cannot load data onto the meta device")
+        return None if d.type == "cpu" else d
+
+    def _finish(self, t: torch.Tensor, entry: ShardedTensorEntry, device: Device) -> torch.Tensor:
+        dev = self._device(device, entry.path)
+        if dev is not None:
+            t = t.to(dev)
+        if entry.parameter:
+            return torch.nn.Parameter(t, requires_grad=entry.requires_grad)
+        if entry.requires_grad:
+            t.requires_grad_(True)
+        return t
+
+    def _empty(self, entry: ShardedTensorEntry, shape: Sequence[int]) -> torch.Tensor:
+        try:
+            return io.empty(tuple(shape), entry.dtype.torch_dtype)
+        except (OSError, MemoryError, RuntimeError) as e:
+            nbytes = math.prod(shape) * entry.dtype.itemsize
+            raise TensorStoreError(f"{self.path}: key {entry.path!r}: cannot allocate {human_bytes(nbytes)} ({e})") from e
+
+    def _verify(self, entry: ShardedTensorEntry) -> None:
+        if self._layout.safetensors:
+            return  # safetensors files carry no checksums
+        for piece in entry.pieces:
+            if piece.numel:
+                self._files.verify(piece, entry.path)
+
+    def _fill(self, entry: ShardedTensorEntry, sel: Selection, box: torch.Tensor, reads: Reads) -> None:
+        """Queue the reads of ``sel`` of ``entry`` into ``box`` (shaped ``sel.count``)."""
+        self._check_open()
+        for piece in entry.pieces:
+            if not piece.numel:
+                continue
+            hit = piece_overlap(sel, piece)
+            if hit is None:
+                continue
+            local, dest = hit
+            loc = self._files.locate(piece, entry)
+            reads.region(loc, piece.shape, entry.dtype, local, box[dest] if dest else box)
+        if self._layout.rank is not None:
+            covered = sum(math.prod(h[0].count) for p in entry.pieces if p.numel and (h := piece_overlap(sel, p)) is not None)
+            if covered != math.prod(sel.count):
+                raise FormatError(f"{self.index_path}: key {entry.path!r}: the selection is not all stored in this "
+                                  f"rank-local index (rank {self._layout.rank}); open the directory's global index")
+
+    def _read_handle(self, entry: ShardedTensorEntry, index: Any, out: torch.Tensor | None, verify: bool) -> torch.Tensor:
+        sel = select_index(() if index is None else index, entry.shape)
+        dtype = entry.dtype.torch_dtype
+        if out is not None:
+            if tuple(out.shape) != sel.shape or out.dtype != dtype:
+                raise MismatchError(f"{self.path}: key {entry.path!r}: out has shape {tuple(out.shape)} and dtype "
+                                    f"{out.dtype}, the selection needs {sel.shape} and {dtype}")
+            result = out
+        else:
+            result = self._empty(entry, sel.shape)
+        try:
+            box = result.view(sel.count)
+            post = None
+        except RuntimeError:
+            box = self._empty(entry, sel.count)
+            post = result
+        if verify:
+            self._verify(entry)
+        reads = Reads()
+        self._fill(entry, sel, box, reads)
+        reads.run()
+        if post is not None:
+            with torch.no_grad():
+                bits_view(post).copy_(bits_view(box).view(sel.shape))
+        return result
+
+    # -- checking -------------------------------------------------------------------------
+
+    def verify(self) -> dict[str, Any]:
+        """Read every piece of every tensor, checking stored checksums (tensorstore_h5 files), the
+        files against the index (length, layout hash, keys, dtypes, shapes), each file's layout
+        against its HDF5 metadata, and the pieces' cover. Returns ``{"keys", "tensor_bytes",
+        "files", "problems"}``; no exception for problems found in the data."""
+        problems: list[str] = []
+        n = total = 0
+        for e in self._layout.entries:
+            if isinstance(e, Container):
+                continue
+            n += 1
+            try:
+                if isinstance(e, ShardedTensorEntry):
+                    self._verify(e)
+                    t = self._read_leaf(e, None, False)
+                    total += t.numel() * t.element_size()
+                    del t
+                elif isinstance(e, ShardedArrayEntry):
+                    total += self._read_leaf(e, None, True).nbytes
+            except (FormatError, KeyNotFoundError) as err:
+                problems.append(str(err))
+        if not self._layout.safetensors:
+            from ..hdf5source import verify_layout
+
+            for name in self._layout.files:
+                try:
+                    store = self._files.store(name, "(any)")
+                except FormatError as err:
+                    if str(err) not in problems:
+                        problems.append(str(err))
+                    continue
+                problems += [f"{os.path.join(self.path, name)}: {p}" for p in verify_layout(store.path, store._layout)]
+        return {"keys": n, "tensor_bytes": total, "files": len(self._layout.files), "problems": problems}
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"{self.path}: the store is closed")
+
+    def close(self) -> None:
+        """Close every file opened (idempotent)."""
+        if not self._closed:
+            self._files.close()
+            self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> ShardedStore:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _repr_html_(self) -> str:
+        """A collapsible tree of the keys with dtype, shape, pieces and size (Jupyter)."""
+        from ..display import TreeRow, tree_html
+
+        rows = []
+        for e in self._layout.entries:
+            if isinstance(e, ShardedTensorEntry):
+                rows.append(TreeRow(e.path, f"{e.dtype.name} {list(e.shape)}, {len(e.pieces)} piece(s)", e.nbytes))
+            elif isinstance(e, ShardedArrayEntry):
+                rows.append(TreeRow(e.path, f"ndarray {e.dtype} {list(e.shape)}", e.nbytes))
+            elif isinstance(e, ValueEntry):
+                rows.append(TreeRow(e.path, f"{type(e.value).__name__} = {repr(e.value)[:40]}"))
+        return tree_html(repr(self), rows)
+
+    def __repr__(self) -> str:
+        n_t = sum(1 for e in self._layout.entries if isinstance(e, ShardedTensorEntry))
+        state = ", closed" if self._closed else ""
+        return (f"<tensorstore_h5.ShardedStore {self.path!r} ({self.kind}, {len(self._layout.files)} files, {len(self)} "
+                f"keys, {n_t} tensors, {human_bytes(self.nbytes)}{state})>")
+
+
+def _child(container: Any, name: str) -> Any:
+    key = tree.unescape(name)
+    if key in container:
+        return container[key]
+    for k, v in container.items():  # non-str keys are named by str(key)
+        if type(k) is not str and tree.name_for_key(k, "") == name:
+            return v
+    raise KeyError(key)
+
+
+def open_directory(path: PathLike, *, rank: int | None = None) -> ShardedStore:
+    """Open a checkpoint directory read-only (see :class:`ShardedStore`)."""
+    return ShardedStore(path, rank=rank)

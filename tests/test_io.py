@@ -382,3 +382,40 @@ def test_a_cold_load_keeps_more_reads_in_flight(tmp_path, monkeypatch) -> None:
     warm = th5.load(path, progress=False)
     assert threads == [io.COLD_IO_THREADS, None]
     assert all(torch.equal(cold[k], v) and torch.equal(warm[k], v) for k, v in sd.items())
+
+
+def test_pwrite_all_finishes_short_writes_and_refuses_a_stalled_one(tmp_path, monkeypatch) -> None:
+    from tensorstore_h5 import io
+
+    data = torch.arange(1000, dtype=torch.int32)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    real = os.pwrite
+    calls = []
+
+    def short(fd_, buf, offset):  # the kernel may write less than asked
+        calls.append(len(buf))
+        return real(fd_, memoryview(buf)[:1000], offset)
+
+    try:
+        monkeypatch.setattr(os, "pwrite", short)
+        io.pwrite_all(fd, io.tensor_buffer(data), 100)
+        assert calls == [4000, 3000, 2000, 1000]
+        monkeypatch.setattr(os, "pwrite", lambda *a: 0)
+        with pytest.raises(OSError, match="short write"):
+            io.pwrite_all(fd, b"x", 0)
+    finally:
+        monkeypatch.undo()
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes()[100:] == data.numpy().tobytes()
+
+
+def test_tensor_buffer_is_the_tensors_own_memory_and_keeps_it_alive() -> None:
+    from tensorstore_h5 import io
+
+    t = torch.zeros(4, dtype=torch.float32)
+    view = io.tensor_buffer(t)
+    view[4:8] = torch.tensor([1.5]).numpy().tobytes()
+    assert t.tolist() == [0.0, 1.5, 0.0, 0.0] and len(view) == 16
+    view = io.tensor_buffer(torch.full((3,), 7, dtype=torch.int64))  # the only reference to the tensor
+    assert bytes(view) == torch.full((3,), 7, dtype=torch.int64).numpy().tobytes()
+    assert len(io.tensor_buffer(torch.empty(0))) == 0

@@ -35,7 +35,8 @@ __all__ = [
     "pack_header", "parse_header", "Contiguous", "Chunked", "Extent", "Container", "TensorEntry", "ArrayEntry",
     "ValueEntry", "ForeignEntry", "Entry", "Layout", "parse_layout", "parse_layout_v2", "read_layout_v1",
     "layout_text", "write_root_attrs", "write_dataset_attrs", "check_metadata", "contiguous_stride", "stride_span",
-    "has_gaps", "claims_format", "decode_lines", "READ_AHEAD_MIN", "READ_AHEAD_MAX",
+    "has_gaps", "claims_format", "decode_lines", "READ_AHEAD_MIN", "READ_AHEAD_MAX", "key_structure", "key_json",
+    "parse_key", "parse_ints", "parse_module_metadata", "parse_numpy_dtype",
 ]
 
 FORMAT_NAME = "tensorstore_h5"
@@ -358,7 +359,7 @@ class Layout:
                 self._items = items
                 self._paths, self._kinds = _v1_paths(items, file)
             self._parsed = [None] * len(self._paths)
-            self._index, self._types = _structure(self._paths, self._kinds, file)
+            self._index, self._types = key_structure(self._paths, self._kinds, file)
         self.leaf_paths = [p for p in self._index if p not in self._types]
         self.container_paths = [p for p in self._types if p]
 
@@ -482,7 +483,7 @@ def _v1_paths(items: list[Any], file: str) -> tuple[list[str], list[str]]:
     return paths, kinds
 
 
-def _structure(paths: list[Any], kinds: list[str], file: str) -> tuple[dict[str, int], dict[str, str]]:
+def key_structure(paths: list[Any], kinds: list[str], file: str) -> tuple[dict[str, int], dict[str, str]]:
     """One pass over the paths and types: str paths of known types, unique, the root first,
     every parent an earlier container. Returns (path -> index, container path -> type)."""
     index: dict[str, int] = {}
@@ -518,7 +519,9 @@ def _structure(paths: list[Any], kinds: list[str], file: str) -> tuple[dict[str,
 # ---------------------------------------------------------------------------- writing (format 2)
 
 
-def _key_json(entry: Any, parent_type: str | None) -> dict[str, Any]:
+def key_json(entry: Any, parent_type: str | None) -> dict[str, Any]:
+    """``{"key": ...}`` for an entry whose dict key is not a string (JSON-encoded), else ``{}``:
+    a string key is its path's last name, a list index its number."""
     if parent_type in ("dict", "OrderedDict") and type(entry.key) is not str:
         return {"key": tree.encode_value(entry.key, entry.path)}
     return {}
@@ -537,7 +540,7 @@ def _extent_json(extent: Extent | None) -> dict[str, Any]:
 
 def entry_json(entry: Entry, parent_type: str | None) -> dict[str, Any]:
     """The JSON object of one format-2 entry line (FORMAT.md, "The layout text")."""
-    out: dict[str, Any] = _key_json(entry, parent_type)
+    out: dict[str, Any] = key_json(entry, parent_type)
     if isinstance(entry, Container):
         if entry.module_metadata is not None and entry.type == "OrderedDict":
             out["_metadata"] = {p: {k: tree.encode_value(v, entry.path) for k, v in vals.items()}
@@ -663,7 +666,7 @@ _CONTAINER_V2 = frozenset({"key", "_metadata"})
 def _parse_entry_v2(item: Any, path: str, kind: str, layout: Layout, i: int) -> Entry:
     if type(item) is not dict:
         raise ValueError("entry line is not a JSON object")
-    key = _parse_key(item, path, layout._types)
+    key = parse_key(item, path, layout._types)
     if kind in tree.CONTAINER_TYPES:
         if not item.keys() <= _CONTAINER_V2:
             raise ValueError(f"unexpected fields {sorted(set(item) - _CONTAINER_V2)}")
@@ -671,7 +674,7 @@ def _parse_entry_v2(item: Any, path: str, kind: str, layout: Layout, i: int) -> 
         if "_metadata" in item:
             if kind != "OrderedDict":
                 raise ValueError("only an OrderedDict has _metadata")
-            meta = _parse_module_metadata(item["_metadata"])
+            meta = parse_module_metadata(item["_metadata"])
         return Container(path, key, kind, meta)
     fields = _V2_FIELDS[kind]
     if not item.keys() <= fields:
@@ -681,9 +684,9 @@ def _parse_entry_v2(item: Any, path: str, kind: str, layout: Layout, i: int) -> 
             raise ValueError("a value entry needs 'value'")
         return ValueEntry(path, key, tree.decode_value(item["value"]))
     dataset = path or ROOT_DATASET
-    shape = _parse_ints(item.get("shape"), "shape", minimum=0)
+    shape = parse_ints(item.get("shape"), "shape", minimum=0)
     if kind == "ndarray":
-        dt = _numpy_dtype(item.get("dtype"))
+        dt = parse_numpy_dtype(item.get("dtype"))
         extent = _parse_extent(item, shape, dt.itemsize, layout)
         return ArrayEntry(path, key, dt, shape, dataset, extent)
     spec = spec_for_name(item.get("dtype"))  # type: ignore[arg-type]
@@ -714,7 +717,8 @@ def _differentiable(spec: DtypeSpec) -> bool:
     return spec.torch_dtype.is_floating_point or spec.torch_dtype.is_complex
 
 
-def _parse_module_metadata(data: Any) -> dict[str, dict[str, Any]]:
+def parse_module_metadata(data: Any) -> dict[str, dict[str, Any]]:
+    """A state dict's ``_metadata`` (module prefix -> its values). Raises ValueError."""
     if type(data) is not dict or not all(type(v) is dict for v in data.values()):
         raise ValueError("_metadata must map module prefixes to objects")
     return {p: {k: tree.decode_value(v) for k, v in vals.items()} for p, vals in data.items()}
@@ -723,7 +727,7 @@ def _parse_module_metadata(data: Any) -> dict[str, dict[str, Any]]:
 def _parse_stride(item: dict[str, Any], shape: tuple[int, ...]) -> tuple[int, ...] | None:
     if "stride" not in item:
         return None
-    stride = _parse_ints(item["stride"], "stride", minimum=0)
+    stride = parse_ints(item["stride"], "stride", minimum=0)
     if len(stride) != len(shape):
         raise ValueError("stride and shape differ in length")
     if has_gaps(shape, stride) or stride_span(shape, stride) > math.prod(shape):
@@ -760,7 +764,7 @@ def _parse_extent(item: dict[str, Any], shape: tuple[int, ...], itemsize: int, l
         raise ValueError(f"invalid filter {filt!r}")
     if type(at) is not list or not all(type(a) is list and len(a) in (2, 3) and (len(a) == 2 or a[2] == 1) for a in at):
         raise ValueError("invalid chunk list")
-    extent = Chunked(shape, itemsize, _parse_ints(c["shape"], "chunk shape", minimum=1), filt[0], tuple(filt[1]),
+    extent = Chunked(shape, itemsize, parse_ints(c["shape"], "chunk shape", minimum=1), filt[0], tuple(filt[1]),
                      tuple((a[0], a[1], len(a) == 3) for a in at), parsed)
     check_chunked(extent, size)
     return extent
@@ -769,7 +773,7 @@ def _parse_extent(item: dict[str, Any], shape: tuple[int, ...], itemsize: int, l
 _NUMPY_SIZES = {"b": (1,), "i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "f": (2, 4, 8), "c": (8, 16)}
 
 
-def _numpy_dtype(name: Any) -> np.dtype:
+def parse_numpy_dtype(name: Any) -> np.dtype:
     """A numpy dtype of a stored array: bool, integer, float or complex (either byte order)."""
     try:
         dt = np.dtype(name) if type(name) is str else None
@@ -833,9 +837,9 @@ _ENTRY_FIELDS = {
 
 
 def _parse_entry_v1(item: dict[str, Any], types: Mapping[str, str], tensors: _Earlier) -> Entry:
-    """One format-1 entry, whose structure :func:`_structure` has already checked."""
+    """One format-1 entry, whose structure :func:`key_structure` has already checked."""
     path, kind = item["path"], item["type"]
-    key = _parse_key(item, path, types)
+    key = parse_key(item, path, types)
     if kind in tree.CONTAINER_TYPES:
         if not item.keys() <= _CONTAINER_FIELDS:
             raise ValueError(f"unexpected fields {sorted(set(item) - _CONTAINER_FIELDS)}")
@@ -852,15 +856,15 @@ def _parse_entry_v1(item: dict[str, Any], types: Mapping[str, str], tensors: _Ea
             raise ValueError(f"invalid packed tensor (dataset {dataset!r}, offset {packed!r})")
     elif not isinstance(dataset, str) or dataset != (path or ROOT_DATASET):
         raise ValueError(f"invalid dataset {dataset!r}")
-    shape = _parse_ints(item.get("shape"), "shape", minimum=0)
+    shape = parse_ints(item.get("shape"), "shape", minimum=0)
     if kind == "ndarray":
-        return ArrayEntry(path, key, _numpy_dtype(item.get("dtype")), shape, dataset)
+        return ArrayEntry(path, key, parse_numpy_dtype(item.get("dtype")), shape, dataset)
     spec = spec_for_name(item.get("dtype"))  # type: ignore[arg-type]
     if spec is None:
         raise ValueError(f"unknown torch dtype {item.get('dtype')!r}")
     stride = None
     if "stride" in item:
-        stride = _parse_ints(item["stride"], "stride", minimum=0)
+        stride = parse_ints(item["stride"], "stride", minimum=0)
         if len(stride) != len(shape):
             raise ValueError("stride and shape differ in length")
         if has_gaps(shape, stride):
@@ -883,7 +887,9 @@ def _parse_entry_v1(item: dict[str, Any], types: Mapping[str, str], tensors: _Ea
                        packed=packed)
 
 
-def _parse_key(item: dict[str, Any], path: str, types: Mapping[str, str]) -> Any:
+def parse_key(item: dict[str, Any], path: str, types: Mapping[str, str]) -> Any:
+    """The dict key or list index of the entry at ``path`` (from ``item['key']`` or the path's
+    last name), checked against its parent's type. Raises ValueError."""
     if path == "":
         if "key" in item:
             raise ValueError("the root has no key")
@@ -904,7 +910,9 @@ def _parse_key(item: dict[str, Any], path: str, types: Mapping[str, str]) -> Any
     return tree.unescape(name)
 
 
-def _parse_ints(value: Any, what: str, minimum: int) -> tuple[int, ...]:
+def parse_ints(value: Any, what: str, minimum: int) -> tuple[int, ...]:
+    """A JSON list of at most 64 integers >= ``minimum`` (a shape, stride, offsets) as a tuple.
+    Raises ValueError naming ``what``."""
     if type(value) is not list or len(value) > 64:
         raise ValueError(f"invalid {what} {value!r}")
     for n in value:

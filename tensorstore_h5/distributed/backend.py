@@ -471,7 +471,7 @@ def _subtree(nodes: list[Any], kp: str, nested_at: Mapping[str, tuple[str, tuple
             files[name] = info
             shape = list(value.shape)
             piece = {"file": name, "key": n.path, "offsets": [0] * len(shape), "shape": shape}
-            head = fmt._key_json(n, ptype)
+            head = fmt.key_json(n, ptype)
             if isinstance(value, torch.Tensor):
                 head.update(dtype=spec_for_torch(value.dtype, n.path).name, shape=shape, pieces=[piece])
                 out.append((rel, "tensor", head))

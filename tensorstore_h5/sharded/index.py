@@ -230,7 +230,7 @@ class DirectoryIndex:
         self._paths: list[str] = obj["paths"]
         self._kinds: list[str] = obj["types"]
         self._raw: list[Any] = obj["entries"]
-        self._index, self._types = fmt._structure(self._paths, self._kinds, path)
+        self._index, self._types = fmt.key_structure(self._paths, self._kinds, path)
         self._parsed: list[DirEntry | None] = [None] * len(self._paths)
         self.leaf_paths = [p for p in self._index if p not in self._types]
         self.container_paths = [p for p in self._types if p]
@@ -265,14 +265,14 @@ class DirectoryIndex:
     def _parse_entry(self, item: Any, path: str, kind: str) -> DirEntry:
         if type(item) is not dict:
             raise ValueError("the entry is not a JSON object")
-        key = fmt._parse_key(item, path, self._types)
+        key = fmt.parse_key(item, path, self._types)
         if kind in tree.CONTAINER_TYPES:
             _fields(item, _CONTAINER_FIELDS)
             meta = None
             if "_metadata" in item:
                 if kind != "OrderedDict":
                     raise ValueError("only an OrderedDict has _metadata")
-                meta = fmt._parse_module_metadata(item["_metadata"])
+                meta = fmt.parse_module_metadata(item["_metadata"])
             return Container(path, key, kind, meta)
         if kind == "value":
             _fields(item, _VALUE_FIELDS)
@@ -281,8 +281,8 @@ class DirectoryIndex:
             return ValueEntry(path, key, tree.decode_value(item["value"]))
         if kind == "ndarray":
             _fields(item, _ARRAY_FIELDS)
-            dt = fmt._numpy_dtype(item.get("dtype"))
-            shape = fmt._parse_ints(item.get("shape"), "shape", minimum=0)
+            dt = fmt.parse_numpy_dtype(item.get("dtype"))
+            shape = fmt.parse_ints(item.get("shape"), "shape", minimum=0)
             pieces = self._pieces(item, path, shape)
             return ShardedArrayEntry(path, key, dt, shape, pieces)
         if kind != "tensor":
@@ -291,7 +291,7 @@ class DirectoryIndex:
         spec = spec_for_name(item.get("dtype"))  # type: ignore[arg-type]
         if spec is None:
             raise ValueError(f"unknown torch dtype {item.get('dtype')!r}")
-        shape = fmt._parse_ints(item.get("shape"), "shape", minimum=0)
+        shape = fmt.parse_ints(item.get("shape"), "shape", minimum=0)
         for flag in ("parameter", "requires_grad"):
             if flag in item and item[flag] is not True:
                 raise ValueError(f"{flag} must be true when present")

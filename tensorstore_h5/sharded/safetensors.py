@@ -68,8 +68,8 @@ def _read_safetensors_header(path: str) -> _SafetensorsFile:
             if spec is None:
                 raise FormatError(f"{where}: safetensors dtype {info['dtype']!r} is not supported")
             try:
-                shape = fmt._parse_ints(info["shape"], "shape", 0)
-                begin, end = fmt._parse_ints(info["data_offsets"], "data_offsets", 0)
+                shape = fmt.parse_ints(info["shape"], "shape", 0)
+                begin, end = fmt.parse_ints(info["data_offsets"], "data_offsets", 0)
             except ValueError as e:
                 raise FormatError(f"{where}: damaged safetensors header entry ({e})") from e
             if not begin <= end <= body or end - begin != math.prod(shape) * spec.itemsize:

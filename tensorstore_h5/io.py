@@ -274,6 +274,34 @@ class RawFile:
             except OSError:
                 return
 
+    def prime(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Read the first byte of each ``(offset, nbytes)`` range, so that the kernel starts its
+        readahead there and marks where to read further: page faults on a mapping of the ranges
+        then read ahead in growing windows instead of around each fault. Measured on the 2-core
+        VM (5 fresh processes each, interleaved), a cold ``load(mmap=True)`` + touch of 2 GB in
+        296 tensors: 0.60 GB/s median (0.86 best) without, 0.89 (1.44) with; one read at the
+        start of the first range only did not help; ``torch.load(mmap=True)`` + touch ran 1.24
+        (1.31) in the same run. The reads go through a second open file of the same inode
+        (``/proc/self/fd``), leaving this one's readahead state, which the mapping's faults use,
+        as it was. Nothing happens where that cannot be opened."""
+        if self._fd is None:
+            return
+        try:
+            fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return
+        try:
+            if os.fstat(fd).st_ino != os.fstat(self._fd).st_ino:
+                return
+            byte = bytearray(1)
+            for offset, nbytes in ranges:
+                if nbytes > 0:
+                    os.preadv(fd, [byte], offset)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
     def mapped(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor backed by the file's pages through its own private mapping: copy-on-write,
         so writes stay in this tensor's memory and reach neither the file nor other tensors."""

@@ -395,10 +395,13 @@ class Store:
         fmap = io.FileMap(self._rawfile()) if mmap else None
         entries = self._layout.select(included)
         cold = False
-        if self._local and not mmap:
+        if self._local:
             ranges = [r for e in entries for r in self._ranges(e)]
             cold = not self._rawfile().cached(ranges)  # then more reads in flight (io.COLD_IO_THREADS)
-            if io.READAHEAD_BYTES:  # from a cold cache the kernel reads ahead of the I/O threads
+            if mmap:
+                if cold:  # the caller's page faults will read the mapped tensors: let them read ahead
+                    self._rawfile().prime(ranges)
+            elif io.READAHEAD_BYTES:  # from a cold cache the kernel reads ahead of the I/O threads
                 self._rawfile().willneed(ranges)
         with self._batched(progress, sum(_data_bytes(e) for e in entries), cold) as (bar, plan):
             for group in self._fetched(entries):

@@ -419,3 +419,22 @@ def test_tensor_buffer_is_the_tensors_own_memory_and_keeps_it_alive() -> None:
     view = io.tensor_buffer(torch.full((3,), 7, dtype=torch.int64))  # the only reference to the tensor
     assert bytes(view) == torch.full((3,), 7, dtype=torch.int64).numpy().tobytes()
     assert len(io.tensor_buffer(torch.empty(0))) == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no RWF_NOWAIT here")
+def test_a_cold_mapped_load_starts_readahead_at_every_tensor(tmp_path, monkeypatch) -> None:
+    sd = {f"w{i}": torch.randn(256, 1024) for i in range(6)}
+    path = tmp_path / "ckpt.h5"
+    th5.save(sd, path)
+    with th5.open(path) as s:
+        starts = sorted(s._layout.entry(k).extent.offset for k in sd)
+    primed: list[list[int]] = []
+    real = io.RawFile.prime
+    monkeypatch.setattr(io.RawFile, "prime", lambda self, ranges: (primed.append([a for a, _ in ranges]),
+                                                                    real(self, ranges))[1])
+    _evict(path)
+    cold = th5.load(path, mmap=True)
+    assert all(torch.equal(cold[k], v) for k, v in sd.items())  # every page read through the mapping
+    warm = th5.load(path, mmap=True)  # the file is in the page cache now: nothing to start
+    assert primed == [starts]
+    assert all(torch.equal(warm[k], v) for k, v in sd.items())

@@ -48,6 +48,11 @@ class Progress:
             self._start(nbytes)
 
     @property
+    def may_show(self) -> bool:
+        """False when no total would show the bar (so the total need not be counted)."""
+        return bool(self._enabled) or (self._enabled is None and interactive())
+
+    @property
     def silent(self) -> bool:
         """True when no bar is shown (work can then be batched without progress updates)."""
         return self._bar is None and not self._enabled

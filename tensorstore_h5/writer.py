@@ -437,7 +437,8 @@ class Writer:
         self._check_open()
         if len(self._entries) > 1:
             raise ValueError(f"{self.path}: write_root must come before any other write")
-        self._progress.total(_unique_nbytes(n.value for n in nodes if isinstance(n, Leaf)))
+        if self._progress.may_show:  # counting tied tensors once costs a lookup per tensor
+            self._progress.total(_unique_nbytes(n.value for n in nodes if isinstance(n, Leaf)))
         self._entries.clear()
         self._index.clear()
         self._write_nodes(nodes)

@@ -33,7 +33,7 @@ from .select import Selector, closest, resolve
 from .slicing import Selection, contiguous_stride, select as select_index, whole
 from .tree import Leaf
 
-__all__ = ["Store", "TensorHandle", "Device"]
+__all__ = ["Store", "TensorHandle", "EntryView", "Device"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 Device = Union[None, str, int, torch.device, Mapping[str, Any], Callable[[str], Any]]
@@ -42,17 +42,13 @@ _READ_ERRORS = (OSError, EOFError, DecodeError, checksum.ChecksumError, ValueErr
 """What a read of stored bytes raises for a damaged or changed file (re-raised as FormatError)."""
 
 
-class TensorHandle:
-    """A lazy view of one stored tensor: metadata now, bytes when indexed or read.
-
-    ``h[10:20]``, ``h[:, 3:7]``, ``h[...]`` read only the selected elements and return a new
-    contiguous CPU tensor. :meth:`read` restores the saved memory layout (stride) and can
-    fill a preallocated ``out`` tensor.
-    """
+class EntryView:
+    """What a lazy tensor handle knows before reading a byte: the key path, shape, dtype and
+    sizes of ``entry`` (a tensor entry of a file or of a checkpoint directory's index)."""
 
     __slots__ = ("_store", "_entry")
 
-    def __init__(self, store: Store, entry: TensorEntry) -> None:
+    def __init__(self, store: Any, entry: Any) -> None:
         self._store = store
         self._entry = entry
 
@@ -70,11 +66,6 @@ class TensorHandle:
         return self._entry.dtype.torch_dtype
 
     @property
-    def stride(self) -> tuple[int, ...]:
-        """The stride (elements) the tensor had when saved; row-major when it was contiguous."""
-        return self._entry.stride or contiguous_stride(self._entry.shape)
-
-    @property
     def nbytes(self) -> int:
         """Size of the tensor's data in bytes."""
         return self._entry.nbytes
@@ -90,6 +81,24 @@ class TensorHandle:
         if not self._entry.shape:
             raise TypeError("len() of a 0-d tensor")
         return self._entry.shape[0]
+
+
+class TensorHandle(EntryView):
+    """A lazy view of one stored tensor: metadata now, bytes when indexed or read.
+
+    ``h[10:20]``, ``h[:, 3:7]``, ``h[...]`` read only the selected elements and return a new
+    contiguous CPU tensor. :meth:`read` restores the saved memory layout (stride) and can
+    fill a preallocated ``out`` tensor.
+    """
+
+    __slots__ = ()
+    _store: Store
+    _entry: TensorEntry
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        """The stride (elements) the tensor had when saved; row-major when it was contiguous."""
+        return self._entry.stride or contiguous_stride(self._entry.shape)
 
     @property
     def compression(self) -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ from ..errors import FormatError, KeyNotFoundError, MismatchError, TensorStoreEr
 from ..format import ValueEntry
 from ..select import Selector, closest, resolve
 from ..slicing import Selection, contiguous_stride, select as select_index
+from ..store import EntryView
 from ..tree import Container, Leaf
 from .index import (
     DCP_METADATA, DirectoryIndex, DirEntry, HF_INDEX_SUFFIX, INDEX_NAME, INDEX_VERSION, PathLike, Piece, RANK_INDEX,
@@ -40,50 +41,21 @@ def is_checkpoint_directory(path: PathLike) -> bool:
         or any(RANK_INDEX.fullmatch(n) for n in names)
 
 
-class ShardedTensorHandle:
+class ShardedTensorHandle(EntryView):
     """A lazy view of one global tensor of a directory: metadata now, bytes when indexed.
 
     ``h[10:20]``, ``h[:, 3:7]`` read only the pieces that overlap the selection, and of each
     only the overlap; :meth:`read` fills ``out`` in place.
     """
 
-    __slots__ = ("_store", "_entry")
-
-    def __init__(self, store: ShardedStore, entry: ShardedTensorEntry) -> None:
-        self._store = store
-        self._entry = entry
-
-    @property
-    def key(self) -> str:
-        return self._entry.path
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size(self._entry.shape)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._entry.dtype.torch_dtype
+    __slots__ = ()
+    _store: ShardedStore
+    _entry: ShardedTensorEntry
 
     @property
     def stride(self) -> tuple[int, ...]:
+        """Row-major: a global tensor has no saved stride of its own."""
         return contiguous_stride(self._entry.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self._entry.nbytes
-
-    @property
-    def ndim(self) -> int:
-        return len(self._entry.shape)
-
-    def numel(self) -> int:
-        return self._entry.numel
-
-    def __len__(self) -> int:
-        if not self._entry.shape:
-            raise TypeError("len() of a 0-d tensor")
-        return self._entry.shape[0]
 
     @property
     def pieces(self) -> list[Piece]:

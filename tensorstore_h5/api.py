@@ -9,7 +9,7 @@ from typing import Any, NamedTuple, Union
 
 import torch
 
-from . import tree
+from . import io, tree
 from .errors import NAMED_KEYS, MismatchError, few
 from .format import Container, TensorEntry
 from .select import Selector
@@ -202,6 +202,14 @@ def load_into(
     """
     if device is not None and not assign:
         raise ValueError("device= says where assign=True puts new tensors; without assign, targets keep their memory")
+    with io.gc_paused():  # many new objects, none in a cycle
+        return _load_into(target, path, select, prefix, strict, assign, device, strict_dtype, progress, verify,
+                          storage_options)
+
+
+def _load_into(target: Any, path: PathLike, select: Selector, prefix: str, strict: bool, assign: bool, device: Any,
+               strict_dtype: bool, progress: bool | None, verify: bool,
+               storage_options: dict[str, Any] | None) -> LoadResult:
     module = target if isinstance(target, torch.nn.Module) else None
     if module is not None:
         names = {tree.escape(k): k for k in module.state_dict(keep_vars=True)}

@@ -398,6 +398,10 @@ class Store:
             FormatError: data cannot be read, or (``verify``) a checksum does not match.
             TensorStoreError: a device that does not exist here.
         """
+        with io.gc_paused():  # many new objects, none in a cycle
+            return self._load(select, device, progress, mmap, verify)
+
+    def _load(self, select: Selector, device: Device, progress: bool | None, mmap: bool, verify: bool) -> Any:
         included = resolve(select, self._leaf_paths, self._container_paths, self.path)
         cache: dict[str, torch.Tensor] = {}
         items: list[Container | Leaf] = []
@@ -814,7 +818,8 @@ class Store:
             with self._fetching([entry.path]):
                 raw.prefetch(self._ranges(entry, sel))  # the chunks or rows it touches, in few requests
         ranged = isinstance(where, (Contiguous, Chunked)) and sel.contiguous_rows
-        skip = sum(a * st for a, st in zip(sel.start, contiguous_stride(entry.shape))) * entry.dtype.itemsize
+        skip = sum(a * st for a, st in zip(sel.start, contiguous_stride(entry.shape))) * entry.dtype.itemsize \
+            if any(sel.start) else 0  # bytes before the selection's first element
         reader = ChunkReader(where, raw.pread, verify) if isinstance(where, Chunked) else None
 
         def fetch(off: int, buf: Any) -> None:  # logical bytes [off, off + len(buf)) of the dataset

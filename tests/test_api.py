@@ -109,3 +109,24 @@ def test_device_argument_moves_tensors(tmp_path, device) -> None:
     assert out["a"].device.type == "cpu" and out["b"]["c"].device.type == device.type
     out = th5.load(tmp_path / "d.h5", device=lambda k: device if k == "a" else "cpu")
     assert out["a"].device.type == device.type and out["b"]["c"].device.type == "cpu"
+
+
+def test_load_and_load_into_run_with_the_cyclic_gc_paused_and_restore_it(tmp_path) -> None:
+    import gc
+
+    path = tmp_path / "p.h5"
+    th5.save({"a": torch.ones(2), "b": torch.zeros(3)}, path)
+    during = []
+
+    def device(key):
+        during.append(gc.isenabled())
+        return "cpu"
+
+    out = th5.load(path, device=device)
+    assert during == [False, False] and gc.isenabled() and torch.equal(out["a"], torch.ones(2))
+    target = {"a": torch.empty(2), "b": torch.empty(3)}
+    with pytest.raises(th5.MismatchError):
+        th5.load_into({"a": torch.empty(5)}, path, strict=False)
+    assert gc.isenabled()  # back on after a refused load too
+    th5.load_into(target, path)
+    assert torch.equal(target["b"], torch.zeros(3)) and gc.isenabled()

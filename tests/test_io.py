@@ -438,3 +438,35 @@ def test_a_cold_mapped_load_starts_readahead_at_every_tensor(tmp_path, monkeypat
     warm = th5.load(path, mmap=True)  # the file is in the page cache now: nothing to start
     assert primed == [starts]
     assert all(torch.equal(warm[k], v) for k, v in sd.items())
+
+
+def test_gc_paused_nests_across_threads_and_restores_the_callers_setting() -> None:
+    import gc
+    import threading
+
+    assert gc.isenabled()
+    inner_started, outer_may_end = threading.Event(), threading.Event()
+    seen = []
+
+    def other() -> None:
+        with io.gc_paused():
+            inner_started.set()
+            outer_may_end.wait(5)
+            seen.append(gc.isenabled())
+
+    with io.gc_paused():
+        t = threading.Thread(target=other)
+        t.start()
+        inner_started.wait(5)
+        seen.append(gc.isenabled())
+    seen.append(gc.isenabled())  # the other thread's block still runs: still paused
+    outer_may_end.set()
+    t.join()
+    assert seen == [False, False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        with io.gc_paused():
+            pass
+        assert not gc.isenabled()  # the caller had it off: left off
+    finally:
+        gc.enable()

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .. import format as fmt
-from .. import sharded, tree
+from .. import io, sharded, tree
 from ..compression import Compression
 from ..dtypes import spec_for_torch
 from ..errors import FormatError, UnsupportedTypeError
@@ -290,7 +290,7 @@ class H5StorageWriter(StorageWriter, BlockingAsyncStager):
         own) after checking it as a reader would, then remove what it supersedes."""
         rank = None if self.use_collectives else (self.rank or 0)
         name = sharded.INDEX_NAME if rank is None else sharded.rank_index_name(rank)
-        with sharded.gc_paused():
+        with io.gc_paused():
             obj = self._index(metadata, results, rank)
             sharded.parse_index(sharded.index_text(obj), os.path.join(self.path, name)).entries  # checks every entry
         sharded.commit_index(self.path, obj, rank=rank, sync=self.sync_files)
@@ -663,7 +663,7 @@ class H5StorageReader(StorageReader):
 def dcp_metadata(layout: sharded.DirectoryIndex, checkpoint_id: str, load_id: str | None = None) -> Metadata:
     """DCP's ``Metadata`` of a directory index: every DCP key's global shape, dtype and stored
     chunks (the pieces) or a plain value, and where each is (``storage_data``)."""
-    with sharded.gc_paused():
+    with io.gc_paused():
         return _dcp_metadata(layout, checkpoint_id, load_id)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from .convert import convert_dir, from_safetensors_dir, to_file
 from .index import (
     INDEX_FORMAT, INDEX_NAME, INDEX_VERSION, DirectoryIndex, Piece, ShardedArrayEntry, ShardedTensorEntry,
-    check_cover, commit_index, data_file_name, file_info, gc_paused, index_text, new_save_id, parse_index,
+    check_cover, commit_index, data_file_name, file_info, index_text, new_save_id, parse_index,
     rank_index_name, rank_stem,
 )
 from .store import ShardedStore, ShardedTensorHandle, is_checkpoint_directory, open_directory
@@ -29,6 +29,6 @@ from .store import ShardedStore, ShardedTensorHandle, is_checkpoint_directory, o
 __all__ = [
     "INDEX_NAME", "INDEX_FORMAT", "INDEX_VERSION", "ShardedStore", "ShardedTensorHandle", "Piece", "DirectoryIndex",
     "ShardedTensorEntry", "ShardedArrayEntry", "open_directory", "is_checkpoint_directory", "parse_index", "index_text",
-    "commit_index", "check_cover", "gc_paused", "new_save_id", "data_file_name", "rank_index_name", "rank_stem",
+    "commit_index", "check_cover", "new_save_id", "data_file_name", "rank_index_name", "rank_stem",
     "file_info", "to_file", "from_safetensors_dir", "convert_dir",
 ]

@@ -4,15 +4,13 @@ commit that makes a save visible (the index renamed into place last, then the or
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
-import gc
 import json
 import math
 import os
 import re
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Union
 
@@ -29,7 +27,7 @@ from ..tree import Container
 __all__ = [
     "INDEX_NAME", "INDEX_FORMAT", "INDEX_VERSION", "HF_INDEX_SUFFIX", "DCP_METADATA", "MAX_INDEX_BYTES",
     "RANK_INDEX", "new_save_id", "data_file_name", "rank_index_name", "rank_stem", "sanitize_stem", "file_info",
-    "Piece", "check_cover", "ShardedTensorEntry", "ShardedArrayEntry", "DirEntry", "DirectoryIndex", "gc_paused",
+    "Piece", "check_cover", "ShardedTensorEntry", "ShardedArrayEntry", "DirEntry", "DirectoryIndex",
     "parse_index", "index_text", "read_index", "commit_index",
 ]
 
@@ -329,24 +327,10 @@ def _fields(item: dict[str, Any], allowed: frozenset[str]) -> None:
         raise ValueError(f"unexpected fields {sorted(set(item) - allowed)}")
 
 
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the block: building the hundreds of thousands
-    of objects of a large index (none of them in a cycle) otherwise runs it again and again
-    (measured: half of the time a rank spends reading a 512-rank index)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def parse_index(data: bytes, path: str) -> DirectoryIndex:
     """Parse the text of an index file (``path`` names it in errors). Raises FormatError."""
     try:
-        with gc_paused():
+        with io.gc_paused():
             obj = json.loads(data)
     except (ValueError, RecursionError) as e:
         raise FormatError(f"{path}: damaged index (not valid JSON): {e}") from e

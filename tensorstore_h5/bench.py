@@ -704,6 +704,20 @@ def _(ctx: Ctx) -> Timed:
     return op, 0
 
 
+@contender("K.tensorstore_h5 load (10,000 keys)", "keys")
+def _(ctx: Ctx) -> Timed:
+    import tensorstore_h5 as th5
+
+    return (lambda: th5.load(ctx.path("many.h5"))), 10_000 * 16
+
+
+@contender("K.safetensors load_file (10,000 keys)", "keys")
+def _(ctx: Ctx) -> Timed:
+    from safetensors.torch import load_file
+
+    return (lambda: load_file(ctx.path("many.safetensors"))), 10_000 * 16
+
+
 def _small_objects() -> dict[str, Any]:
     """An optimizer-like state: thousands of 0-d step tensors, small buffers and scalars."""
     g = torch.Generator().manual_seed(0)
@@ -933,6 +947,7 @@ ORDER = [
     "R.tensorstore_h5 select 1% of keys", "R.tensorstore_h5 1% row slice of every tensor",
     "R.safetensors get_slice 1% rows of every tensor",
     "K.tensorstore_h5 open + keys() (10,000 keys)", "K.safetensors safe_open + keys() (10,000 keys)",
+    "K.tensorstore_h5 load (10,000 keys)", "K.safetensors load_file (10,000 keys)",
     "S.tensorstore_h5 save small objects", "S.torch.save small objects",
     "S.tensorstore_h5 load small objects", "S.torch.load small objects",
 ]
@@ -1114,6 +1129,8 @@ def _ratios(rows: list[dict[str, Any]], echo: Callable[[str], None]) -> None:
           "time: 1% row slices / safetensors get_slice (<= 1.2)", True)
     ratio("K.tensorstore_h5 open + keys() (10,000 keys)", "K.safetensors safe_open + keys() (10,000 keys)",
           "time: open+keys 10k / safetensors (<= 1)", True)
+    ratio("K.tensorstore_h5 load (10,000 keys)", "K.safetensors load_file (10,000 keys)",
+          "load of 10k small tensors vs safetensors load_file")
     ratio("S.tensorstore_h5 save small objects", "S.torch.save small objects", "small objects save vs torch.save (>= 1)")
     ratio("S.tensorstore_h5 load small objects", "S.torch.load small objects", "small objects load vs torch.load (>= 1)")
     limits = [by[n] for n in GPU_ORDER[:2] if n in by]

@@ -59,8 +59,10 @@ def test_bench_runs_a_small_selection(tmp_path) -> None:
     assert r.returncode == 0, r.stderr
     rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"K.tensorstore_h5 open + keys() (10,000 keys)", "K.safetensors safe_open + keys() (10,000 keys)",
+                         "K.tensorstore_h5 load (10,000 keys)", "K.safetensors load_file (10,000 keys)",
                          "S.tensorstore_h5 save small objects"}
     assert all(row["best_s"] > 0 for row in rows.values()) and "time: open+keys 10k" in r.stdout
+    assert "load of 10k small tensors vs safetensors load_file" in r.stdout
 
 
 def test_bench_gpu_contenders_are_opt_in() -> None:

@@ -43,7 +43,8 @@ def open(path: Any, *, storage_options: dict[str, Any] | None = None) -> Store |
 
 def load(path: Any, *, select: Selector = None, device: Device = None, progress: bool | None = None,
          mmap: bool = False, verify: bool = False, storage_options: dict[str, Any] | None = None) -> Any:
-    """Load a file (or the selected part of it) back into its saved nesting.
+    """Load a file (or the selected part of it) back into its saved nesting. Python's cyclic
+    garbage collector is paused while the tensors are built (:func:`tensorstore_h5.io.gc_paused`).
 
     Example::
 
@@ -164,7 +165,8 @@ def load_into(
     ``target`` is an ``nn.Module`` (its ``state_dict(keep_vars=True)``: parameters and
     persistent buffers) or a nested dict of tensors. The stored key path of a target tensor
     is ``prefix`` + its key path (``prefix="model/"`` for a file saved as ``{"model": sd}``).
-    Everything is checked before anything is written.
+    Everything is checked before anything is written. Python's cyclic garbage collector is
+    paused meanwhile (:func:`tensorstore_h5.io.gc_paused`).
 
     - A stored tensor of another dtype is cast into the target, as ``copy_`` does (unless
       ``strict_dtype``); shapes must match.

@@ -73,7 +73,7 @@ def load(path: Any, *, select: Selector = None, device: Device = None, progress:
     if _is_directory(path):  # a checkpoint directory (docs/DISTRIBUTED.md)
         if mmap:
             raise ValueError(f"{os.fspath(path)}: mmap=True maps one file; a checkpoint directory is read into memory")
-        with ShardedStore(path) as sharded:
+        with ShardedStore(path) as sharded, io.gc_paused():
             return sharded.load(select=select, device=device, progress=progress, verify=verify)
     with Store(path, storage_options=storage_options) as store:
         return store.load(select=select, device=device, progress=progress, mmap=mmap, verify=verify)

@@ -747,7 +747,7 @@ def _parse_extent(item: dict[str, Any], shape: tuple[int, ...], itemsize: int, l
     hashes = item.get("xxh3")
     if type(hashes) is not list:
         raise ValueError("missing or invalid xxh3")
-    parsed = tuple(checksum.from_hex(h) for h in hashes)
+    parsed = tuple(map(checksum.from_hex, hashes))
     if ("at" in item) == ("chunks" in item):
         raise ValueError("needs exactly one of 'at' and 'chunks'")
     if "at" in item:

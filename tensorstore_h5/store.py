@@ -307,14 +307,17 @@ class Store:
         fmap = io.FileMap(self._rawfile(), whole=False) if mmap else None  # each tensor unmapped when dropped
         entries = [e for e in self._layout.select(included) if not isinstance(e, Container)]
         advised, ahead = 0, 0  # entries[:advised] were handed to the kernel's readahead; bytes beyond now
+        sizes: dict[int, int] = {}  # bytes handed to the readahead, by entry, until the entry is read
         for i, entry in enumerate(entries):
             if self._local and fmap is None and io.READAHEAD_BYTES:  # the disk reads the next tensors while this one is used
-                ahead -= sum(n for _, n in self._ranges(entry)) if i < advised else 0
+                ahead -= sizes.pop(i, 0)
                 advised = max(advised, i)
                 while advised < len(entries) and ahead < io.READAHEAD_BYTES:
                     ranges = self._ranges(entries[advised])
-                    self._rawfile().willneed(ranges)
-                    ahead += sum(n for _, n in ranges)
+                    if ranges:
+                        self._rawfile().willneed(ranges)
+                        sizes[advised] = n = sum(n for _, n in ranges)
+                        ahead += n
                     advised += 1
             elif not self._local:
                 with self._fetching([entry.path]):

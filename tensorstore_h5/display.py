@@ -43,7 +43,7 @@ class Progress:
     def total(self, nbytes: int) -> None:
         """Announce the total work in bytes (starts the bar if it is wanted)."""
         self._total = nbytes
-        wanted = self._enabled if self._enabled is not None else (nbytes > AUTO_PROGRESS_BYTES and interactive())
+        wanted = self.may_show and (self._enabled or nbytes > AUTO_PROGRESS_BYTES)
         if wanted and self._bar is None:
             self._start(nbytes)
 

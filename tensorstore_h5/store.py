@@ -529,7 +529,7 @@ class Store:
                 raw = self._rawfile()
                 for i, h in enumerate(where.hashes):
                     n = min(where.block, where.nbytes - i * where.block)
-                    view = memoryview(io.tensor_bytes(scratch))[:n] if n <= scratch.numel() else memoryview(bytearray(n))
+                    view = io.tensor_buffer(scratch)[:n] if n <= scratch.numel() else memoryview(bytearray(n))
                     raw.pread(where.offset + i * where.block, view)
                     if checksum.digest(view) != h:
                         raise checksum.ChecksumError(f"block {i}, bytes {i * where.block}..{i * where.block + n} of its data")
@@ -825,12 +825,12 @@ class Store:
             if any(sel.start) else 0  # bytes before the selection's first element
         reader = ChunkReader(where, raw.pread, verify) if isinstance(where, Chunked) else None
 
-        def fetch(off: int, buf: Any) -> None:  # logical bytes [off, off + len(buf)) of the dataset
+        def fetch(off: int, buf: memoryview) -> None:  # logical bytes [off, off + len(buf)) of the dataset
             if reader is not None:
                 reader.read(off, buf)
             else:
                 assert isinstance(where, Contiguous)
-                raw.pread(where.offset + off, buf if type(buf) is memoryview else memoryview(buf).cast("B"))
+                raw.pread(where.offset + off, buf)
 
         if out is not None and _staged(out) and out.is_contiguous() and not sel.empty:
             if verify:
@@ -841,7 +841,7 @@ class Store:
             stage, align = None, 1
             if ranged:
                 align = reader.chunk_bytes if reader is not None else 1
-                stage = lambda off, buf: fetch(skip + off, buf.numpy())  # noqa: E731
+                stage = lambda off, buf: fetch(skip + off, io.tensor_buffer(buf))  # noqa: E731
             elif isinstance(where, HDF5Read):
                 stage, align = self._hdf5_rows(entry, where, sel, self._stager(out.device).block_bytes)
             if stage is not None:

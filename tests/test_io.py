@@ -419,6 +419,8 @@ def test_tensor_buffer_is_the_tensors_own_memory_and_keeps_it_alive() -> None:
     view = io.tensor_buffer(torch.full((3,), 7, dtype=torch.int64))  # the only reference to the tensor
     assert bytes(view) == torch.full((3,), 7, dtype=torch.int64).numpy().tobytes()
     assert len(io.tensor_buffer(torch.empty(0))) == 0
+    with pytest.raises(ValueError, match="contiguous"):
+        io.tensor_buffer(torch.zeros(3, 4).t())  # its bytes are not one range
 
 
 @pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no RWF_NOWAIT here")

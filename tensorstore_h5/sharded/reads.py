@@ -199,7 +199,7 @@ class Reads:
         wrap = functools.partial(_keyed, loc)
         if sel.contiguous_rows:
             first = base + sum(a * s for a, s in zip(sel.start, strides)) * itemsize
-            view = memoryview(io.tensor_bytes(buf))
+            view = io.tensor_buffer(buf)
             for i in range(0, len(view), io.PIECE_BYTES):
                 piece = view[i:i + io.PIECE_BYTES]
                 self.plan.add_job(wrap(functools.partial(raw.pread, first + i, piece)), len(piece))
@@ -225,7 +225,7 @@ class Reads:
         rows = sel.count[d - 1]
         exact = run >= RUN_EXACT_BYTES or (run >= RUN_SPARSE_BYTES and run * WINDOW_WASTE <= pitch)
         flat = buf.reshape(-1).view(torch.uint8)
-        view = memoryview(io.tensor_bytes(buf))
+        view = io.tensor_buffer(buf)
         first = base + (sel.start[d - 1] * strides[d - 1] + sel.start[d] * strides[d]) * itemsize
         outer = [range(a, a + c) for a, c in zip(sel.start[:d - 1], sel.count[:d - 1])]
         per = max(1, (io.PIECE_BYTES if exact else WINDOW_BYTES) // (run if exact else pitch))

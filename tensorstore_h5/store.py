@@ -839,7 +839,11 @@ class Store:
                     transfer.gds_read(_fd_path(raw, self.path), where.offset + skip, out):
                 return out
             stage, align = None, 1
-            if ranged:
+            if ranged and reader is None and self._local:  # the block read by all the I/O threads at once
+                assert isinstance(where, Contiguous)
+                at = where.offset + skip
+                stage = lambda off, buf: io.pread_split(raw.pread, at + off, io.tensor_buffer(buf))  # noqa: E731
+            elif ranged:  # chunks decode on the I/O threads (ChunkReader.read); a remote source's bytes are fetched
                 align = reader.chunk_bytes if reader is not None else 1
                 stage = lambda off, buf: fetch(skip + off, io.tensor_buffer(buf))  # noqa: E731
             elif isinstance(where, HDF5Read):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+import threading
+import time
+
 import pytest
 import torch
 
@@ -56,6 +60,56 @@ def test_store_reads_through_staging_buffers(tmp_path, staged_cpu) -> None:
             s["t"].read(out=torch.empty(300, 7))  # wrong dtype: refused before any copy
 
 
+def test_staged_blocks_are_read_by_several_threads(tmp_path, monkeypatch) -> None:
+    """A contiguous dataset's staging blocks are filled by the I/O threads together, in pieces
+    that cover each block once, so a device load is not held to one thread's copy speed."""
+    monkeypatch.setattr(store_mod, "_staged", lambda t: True)
+    monkeypatch.setattr("tensorstore_h5.transfer.STAGING_BYTES", 64 * 1024)
+    monkeypatch.setattr(store_mod.io, "SPLIT_MIN_BYTES", 8192)
+    monkeypatch.setattr(store_mod.io, "IO_THREADS", 4)
+    t = random_tensor((1000, 50), torch.float32, seed=9)  # 200,000 bytes: 3 blocks of 65,536 and one of 3,392
+    th5.save({"t": t}, tmp_path / "p.h5")
+    reads: list[tuple[int, int, str]] = []
+    real = store_mod.io.RawFile.pread
+
+    def pread(self, offset, view):
+        reads.append((offset, len(view), threading.current_thread().name))
+        real(self, offset, view)
+
+    with th5.open(tmp_path / "p.h5") as s:
+        at = s._where(s["t"]._entry).offset
+        monkeypatch.setattr(store_mod.io.RawFile, "pread", pread)
+        out = torch.empty(1000, 50)
+        s["t"].read(out=out)
+    assert torch.equal(out.view(torch.int32), t.view(torch.int32))
+    pieces = sorted((o - at, n) for o, n, _ in reads)
+    assert [o for o, _ in pieces] == [0] + list(itertools.accumulate(n for _, n in pieces))[:-1]  # no gap, no overlap
+    assert sum(n for _, n in pieces) == t.nbytes and all(o % 4096 == 0 for o, _ in pieces)
+    assert len(pieces) == 3 * 4 + 1  # 3 full blocks in 4 pieces each, the last 3,392 bytes in one read
+    assert len({name for *_, name in reads}) > 1
+
+
+def test_pread_split_reports_a_failed_piece_after_all_have_ended(monkeypatch) -> None:
+    monkeypatch.setattr(store_mod.io, "SPLIT_MIN_BYTES", 1000)
+    monkeypatch.setattr(store_mod.io, "IO_THREADS", 3)
+    done = []
+
+    def pread(offset, view):
+        if offset == 0:
+            raise EOFError("short")
+        time.sleep(0.05)
+        view[:] = b"x" * len(view)
+        done.append(offset)
+
+    buf = bytearray(3 * 8192)
+    with pytest.raises(EOFError, match="short"):
+        store_mod.io.pread_split(pread, 0, memoryview(buf))
+    assert sorted(done) == [8192, 16384]  # the other pieces ran to their end before the error came out
+    small = []
+    store_mod.io.pread_split(lambda o, v: small.append((o, len(v))), 7, memoryview(bytearray(1999)))
+    assert small == [(7, 1999)]  # under two pieces' worth: one read
+
+
 @pytest.mark.cuda
 def test_cuda_targets(tmp_path) -> None:
     if not torch.cuda.is_available():
@@ -66,8 +120,8 @@ def test_cuda_targets(tmp_path) -> None:
     th5.save(sd, tmp_path / "g.h5", compression=lambda p, t: p if p in ("lz4", "zstd") else None)
     out = th5.load(tmp_path / "g.h5", device="cuda")
     for k in sd:
-        assert out[k].is_cuda and out[k].stride() == sd[k].stride(), k
-        assert_same_tensor(out[k].cpu(), sd[k])
+        assert out[k].is_cuda and out[k].stride() == sd[k].stride(), k  # the layout, on the device
+        assert_same_tensor(out[k].cpu(), sd[k], layout=False)  # .cpu() makes "expanded" contiguous
     target = {k: torch.empty_like(v, device="cuda") for k, v in sd.items() if v.is_contiguous()}
     ptrs = {k: v.data_ptr() for k, v in target.items()}
     th5.load_into(target, tmp_path / "g.h5", strict=False)

@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 out="${OUT:-bench}"
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print(torch.__version__, torch.cuda.get_device_name())"
 pip install -q --no-deps --no-build-isolation -e . 2>/dev/null || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-python -m pytest -q -p no:cacheprovider -m cuda tests/ 2>&1 | tee "$out/gpu-tests.txt"
+tests=0  # the benchmark runs even when a test fails; the script exits with the tests' status
+python -m pytest -q -p no:cacheprovider -m cuda tests/ 2>&1 | tee "$out/gpu-tests.txt" || tests=$?
 python -m tensorstore_h5.bench --gpu --only "G.,L.readinto" --size-gb "${SIZE_GB:-2}" --repeat "${REPEAT:-3}" \
   --json "$out/gpu.json" 2>&1 | tee "$out/gpu.txt"
+exit "$tests"

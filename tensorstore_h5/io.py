@@ -80,8 +80,12 @@ _MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", None)
 _ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", None)  # None where mmap takes no flags (Windows)
 
 
-def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def empty(shape: tuple[int, ...], dtype: torch.dtype, populate: bool = False) -> torch.Tensor:
     """A new uninitialised CPU tensor; large ones live in an anonymous mapping of their own.
+
+    ``populate``: a mapping gets its pages at once (``MAP_POPULATE``, in the calling thread,
+    without the GIL), not by a fault at each first touch: for memory that another thread
+    fills while holding the GIL (a remote load's event loop).
 
     Tensors of at least :data:`MAP_MIN_BYTES` are backed by a private anonymous ``mmap``,
     unmapped when the tensor is freed (with :data:`HUGEPAGES`, from :data:`HUGEPAGE_MIN_BYTES`
@@ -96,7 +100,8 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if nbytes < MAP_MIN_BYTES or _ANONYMOUS is None:
         return torch.empty(shape, dtype=dtype, device="cpu")  # whatever torch's default device is
     huge = HUGEPAGES and nbytes >= HUGEPAGE_MIN_BYTES and _MADV_HUGEPAGE is not None
-    area = mmap.mmap(-1, nbytes + (_HUGE if huge else 0), flags=mmap.MAP_PRIVATE | _ANONYMOUS)
+    flags = mmap.MAP_PRIVATE | _ANONYMOUS | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    area = mmap.mmap(-1, nbytes + (_HUGE if huge else 0), flags=flags)
     skip = 0
     if huge:
         skip = -torch.frombuffer(area, dtype=torch.uint8, count=1).data_ptr() % _HUGE

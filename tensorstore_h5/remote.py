@@ -24,7 +24,7 @@ from typing import Any
 from . import io
 from .errors import TensorStoreError
 
-__all__ = ["RETRIES", "MAX_GAP", "REQUEST_BYTES", "BATCH_BYTES", "FETCH_AHEAD", "is_url", "is_fileobj", "open_source",
+__all__ = ["RETRIES", "MAX_GAP", "REQUEST_BYTES", "BATCH_BYTES", "FETCH_AHEAD", "DIRECT_BYTES", "is_url", "is_fileobj", "open_source",
            "RemoteSource", "FileObjSource", "RemoteError", "upload"]
 
 RETRIES = 3
@@ -46,6 +46,11 @@ tensors of the current one are filled."""
 FETCH_AHEAD = 2
 """Batches a remote load downloads ahead of the one it fills (at most ``FETCH_AHEAD + 1``
 batches are held), so that one slow batch does not leave the connection idle."""
+
+DIRECT_BYTES = 1 << 20
+"""A load streams each contiguous tensor of at least this many bytes straight into the new
+tensor's memory (its own requests, no intermediate bytes object); smaller ones are fetched
+together, coalesced, and copied."""
 
 
 class RemoteError(TensorStoreError, OSError):
@@ -228,19 +233,88 @@ class RemoteSource:
         Replaces what was prefetched before."""
         self.use(self.fetch(ranges))
 
-    def fetch(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, bytes]]:
+    def fetch(self, ranges: Sequence[tuple[int, int]], into: Sequence[tuple[int, memoryview]] = ()
+              ) -> list[tuple[int, bytes]]:
         """The bytes of ``(offset, nbytes)`` ranges as sorted ``(start, data)`` pieces, for
         :meth:`use`: neighbouring ranges (closer than :data:`MAX_GAP`) by one request, long
         ones split at :data:`REQUEST_BYTES`, all requests concurrent. Safe from any thread.
+
+        ``into``: ``(offset, view)`` pairs filled in place with the bytes at ``offset``, by
+        requests of their own (split at :data:`REQUEST_BYTES`) running with the others; over
+        HTTP each response streams straight into its view, elsewhere it is copied in.
 
         Raises RemoteError (naming the URL) when a request fails for good or a server
         ignores or cuts a range."""
         merged = [[s, min(b, s + REQUEST_BYTES)] for a, b in io.coalesce(ranges, MAX_GAP)
                   for s in range(a, b, REQUEST_BYTES)]
-        if not merged:
+        direct = [(at + a, view[a:a + REQUEST_BYTES]) for at, view in into for a in range(0, len(view), REQUEST_BYTES)]
+        if not merged and not direct:
             return []
-        fetched = self._call(f"{len(merged)} byte ranges", lambda: self._cat_ranges(merged))
+        what = f"{len(merged) + len(direct)} byte ranges"
+        if direct and self._streams():
+            fetched = self._call(what, lambda: self._stream_ranges(merged, direct))
+        else:
+            both = merged + [[a, a + len(v)] for a, v in direct]
+            fetched = self._call(what, lambda: self._cat_ranges(both))
+            for (_, view), data in zip(direct, fetched[len(merged):]):
+                view[:] = data
+            fetched = fetched[:len(merged)]
         return sorted(zip((a for a, _ in merged), fetched))
+
+    def _streams(self) -> bool:
+        """True where responses can stream into memory of ours: fsspec's HTTP file system."""
+        try:
+            from fsspec.implementations.http import HTTPFileSystem
+        except ImportError:  # pragma: no cover - fsspec without aiohttp cannot open http:// either
+            return False
+        return isinstance(self._fs, HTTPFileSystem)
+
+    def _stream_ranges(self, merged: list[list[int]], direct: list[tuple[int, memoryview]]) -> list[bytes]:
+        """The ``merged`` ranges' bytes, with ``direct``'s views filled in place; all requests
+        concurrent on fsspec's event loop. Raises the first request's error."""
+        import asyncio
+
+        from fsspec.asyn import sync
+
+        fs = self._fs
+
+        async def run() -> list[Any]:
+            jobs = [fs._cat_file(self._key, start=a, end=b) for a, b in merged]
+            jobs += [self._stream_into(a, view) for a, view in direct]
+            return await asyncio.gather(*jobs, return_exceptions=True)
+
+        out = sync(fs.loop, run)
+        for result in out:
+            if isinstance(result, BaseException):
+                raise result
+        self._check(merged, out[:len(merged)])
+        return out[:len(merged)]
+
+    async def _stream_into(self, start: int, view: memoryview) -> None:
+        """One range GET whose body is copied, as it arrives, into ``view``."""
+        fs, end = self._fs, start + len(view)
+        kw = dict(fs.kwargs)
+        headers = dict(kw.pop("headers", None) or {})
+        headers["Range"] = f"bytes={start}-{end - 1}"
+        session = await fs.set_session()
+        got = 0
+        async with session.get(fs.encode_url(self._key), headers=headers, **kw) as r:
+            fs._raise_not_found_for_status(r, self._key)
+            if r.status != 206 and not (start == 0 and end == self.size):  # the whole object instead of the range
+                raise RemoteError(f"{self.path}: the server ignored the byte range for bytes {start}..{end} "
+                                  f"(status {r.status}); tensorstore_h5 needs HTTP range requests")
+            async for chunk in r.content.iter_any():
+                n = len(chunk)
+                if got + n > len(view):
+                    raise RemoteError(f"{self.path}: the server ignored the byte range for bytes {start}..{end} "
+                                      f"(more than {len(view)} bytes received)")
+                view[got:got + n] = chunk
+                got += n
+        with self._lock:
+            self.stats["requests"] += 1
+            self.stats["bytes"] += got
+        if got != len(view):
+            raise RemoteError(f"{self.path}: the server ended early for bytes {start}..{end} ({got} bytes received)")
 
     def use(self, pieces: list[tuple[int, bytes]]) -> None:
         """Serve reads from ``pieces`` (from :meth:`fetch`), dropping what was there before."""
@@ -253,6 +327,11 @@ class RemoteSource:
         for (a, b), data in zip(merged, out):
             if isinstance(data, BaseException):
                 raise data
+        return self._check(merged, out)
+
+    def _check(self, merged: list[list[int]], out: list[bytes]) -> list[bytes]:
+        """``out``, the bodies of ``merged``'s requests, counted in :attr:`stats`. Raises
+        RemoteError for a body longer (the range ignored) or shorter than its range."""
         result = []
         for (a, b), data in zip(merged, out):
             with self._lock:
@@ -328,7 +407,11 @@ class FileObjSource:
     def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:
         pass  # read where it lies, as a local file
 
-    def fetch(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, bytes]]:
+    def fetch(self, ranges: Sequence[tuple[int, int]], into: Sequence[tuple[int, memoryview]] = ()
+              ) -> list[tuple[int, bytes]]:
+        """Nothing to fetch ahead (reads go where the bytes lie); ``into``'s views are read now."""
+        for offset, view in into:
+            self.pread(offset, view)
         return []
 
     def use(self, pieces: list[tuple[int, bytes]]) -> None:

@@ -419,48 +419,72 @@ class Store:
                     self._rawfile().prime(ranges)
             elif io.READAHEAD_BYTES:  # from a cold cache the kernel reads ahead of the I/O threads
                 self._rawfile().willneed(ranges)
+        direct = None
+        if isinstance(self._rawfile(), remote.RemoteSource):  # large tensors stream into their own memory
+            def direct(e: Any) -> bool:
+                return isinstance(e, TensorEntry) and e.same_as is None and e.nbytes >= remote.DIRECT_BYTES and \
+                    isinstance(self._where(e), Contiguous) and self._target(device, e.path) is None
         with self._batched(progress, sum(_data_bytes(e) for e in entries), cold) as (bar, plan):
-            for group in self._fetched(entries):
+            for group, filled in self._fetched(entries, direct):
                 for entry in group:
                     if isinstance(entry, Container):
                         items.append(entry)
                     else:
-                        items.append(Leaf(entry.path, entry.key, self._read_leaf(entry, cache, device, fmap, plan, verify)))
+                        leaf = self._read_leaf(entry, cache, device, fmap, plan, verify, filled.get(entry.path))
+                        items.append(Leaf(entry.path, entry.key, leaf))
                         bar.update(_data_bytes(entry))
         return tree.inflate(items)
 
-    def _fetched(self, entries: list[Any]) -> Iterator[list[Any]]:
+    def _fetched(self, entries: list[Any], direct: Callable[[Any], bool] | None = None
+                 ) -> Iterator[tuple[list[Any], dict[str, torch.Tensor]]]:
         """``entries`` in groups whose stored bytes a remote source has fetched (about
         :data:`remote.BATCH_BYTES` a group, neighbouring ranges in one request); the next
         groups' bytes (:data:`remote.FETCH_AHEAD` of them) download while the caller reads the
-        current one. One group, nothing fetched, for a local file."""
+        current one. One group, nothing fetched, for a local file.
+
+        Each group comes with ``{path: tensor}``: a new CPU tensor holding the whole stored
+        bytes of each entry that ``direct(entry)`` chose (a contiguous dataset), filled by
+        the fetch itself rather than copied from fetched bytes."""
         if self._local:
-            yield entries
+            yield entries, {}
             return
         raw = self._rawfile()
-        groups: list[tuple[list[Any], list[tuple[int, int]]]] = [([], [])]
+        groups: list[tuple[list[Any], list[tuple[int, int]], list[TensorEntry]]] = [([], [], [])]
         size = 0
         for entry in entries:
+            streamed = direct is not None and direct(entry)
             more = self._ranges(entry)
             grow = sum(n for _, n in more)
             if groups[-1][0] and size and size + grow > remote.BATCH_BYTES:
-                groups.append(([], []))
+                groups.append(([], [], []))
                 size = 0
             groups[-1][0].append(entry)
-            groups[-1][1].extend(more)
+            (groups[-1][2].append(entry) if streamed else groups[-1][1].extend(more))
             size += grow
+
+        def fetch(ranges: list[tuple[int, int]], streamed: list[TensorEntry]
+                  ) -> tuple[list[tuple[int, bytes]], dict[str, torch.Tensor]]:
+            filled = {e.path: self._empty(e, e.shape, populate=True) for e in streamed}  # no faults in the event loop
+            into = []
+            for e in streamed:
+                where = self._where(e)
+                assert isinstance(where, Contiguous)
+                into.append((where.offset, io.tensor_buffer(filled[e.path])))
+            return raw.fetch(ranges, into), filled
+
         ahead = max(1, remote.FETCH_AHEAD)
         pool = ThreadPoolExecutor(ahead, thread_name_prefix="th5-fetch")
-        pending = deque(pool.submit(raw.fetch, ranges) for _, ranges in groups[:ahead])
+        pending = deque(pool.submit(fetch, ranges, streamed) for _, ranges, streamed in groups[:ahead])
         try:
-            for k, (group, _) in enumerate(groups):
+            for k, (group, _, _) in enumerate(groups):
                 with self._fetching([e.path for e in group if isinstance(e, (TensorEntry, ArrayEntry))]):
-                    pieces = pending.popleft().result()
+                    pieces, filled = pending.popleft().result()
                 if k + ahead < len(groups):
-                    pending.append(pool.submit(raw.fetch, groups[k + ahead][1]))
+                    pending.append(pool.submit(fetch, groups[k + ahead][1], groups[k + ahead][2]))
                 raw.use(pieces)
                 del pieces
-                yield group
+                yield group, filled
+                del filled
         finally:
             for f in pending:
                 f.cancel()
@@ -506,7 +530,7 @@ class Store:
                 self._verify_stored(entry)
         targets = {id(e): t for e, t in pairs}
         with self._batched(progress, sum(e.nbytes for e, _ in pairs)) as (bar, plan):
-            for group in self._fetched([e for e, _ in pairs]):
+            for group, _ in self._fetched([e for e, _ in pairs]):
                 for entry in group:
                     target = targets[id(entry)]
                     sel = whole(entry.shape)
@@ -517,6 +541,14 @@ class Store:
                         with torch.no_grad():
                             target.copy_(value)
                     bar.update(entry.nbytes)
+
+    def _check_hashes(self, entry: TensorEntry, values: torch.Tensor) -> None:
+        """Check the contiguous tensor ``values``, all of ``entry``'s stored bytes, against
+        its checksums (none in format 1). Raises FormatError naming the key."""
+        where = self._where(entry)
+        if isinstance(where, Contiguous) and where.hashes is not None and \
+                checksum.block_hashes(io.tensor_buffer(values), where.block) != list(where.hashes):
+            raise FormatError(f"{self.path}: key {entry.path!r}: {_why(checksum.ChecksumError('its data'))}")
 
     def _verify_stored(self, entry: TensorEntry) -> None:
         """Check ``entry``'s stored checksums by reading its bytes once (nothing kept)."""
@@ -674,7 +706,9 @@ class Store:
         return d
 
     def _read_leaf(self, entry: Any, cache: Any, device: Device, fmap: io.FileMap | None, plan: io.ReadPlan | None,
-                   verify: bool) -> Any:
+                   verify: bool, filled: torch.Tensor | None = None) -> Any:
+        """A leaf's value. ``filled``: a CPU tensor already holding the entry's stored bytes
+        (:meth:`_fetched`), checked (``verify``) and laid out here."""
         if isinstance(entry, ValueEntry):
             return entry.value
         if isinstance(entry, ForeignEntry):
@@ -689,7 +723,11 @@ class Store:
             target = self._target(device, entry.path)
             t = self._mapped(entry, fmap, verify) if fmap is not None and target is None else None
             sel = whole(entry.shape)
-            if t is None and target is not None:  # allocated on the device, filled through the staging buffers
+            if filled is not None:
+                if verify:
+                    self._check_hashes(entry, filled)
+                t = self._restore(filled, entry) if entry.stride is not None else filled
+            elif t is None and target is not None:  # allocated on the device, filled through the staging buffers
                 t = transfer.device_empty(entry.shape, entry.dtype.torch_dtype, target, entry.path)
                 self._read_tensor(entry, sel, t, restore_layout=False, verify=verify)
                 if entry.stride is not None:
@@ -720,11 +758,11 @@ class Store:
             raise FormatError(f"{self.path}: key {entry.path!r}: {_why(e)}") from e
         return out
 
-    def _empty(self, entry: TensorEntry, shape: tuple[int, ...]) -> torch.Tensor:
-        """A new CPU tensor for (part of) ``entry``; TensorStoreError naming the key when the
-        memory cannot be had."""
+    def _empty(self, entry: TensorEntry, shape: tuple[int, ...], populate: bool = False) -> torch.Tensor:
+        """A new CPU tensor for (part of) ``entry`` (``populate``: see :func:`io.empty`);
+        TensorStoreError naming the key when the memory cannot be had."""
         try:
-            return io.empty(shape, entry.dtype.torch_dtype)
+            return io.empty(shape, entry.dtype.torch_dtype, populate)
         except (OSError, MemoryError, RuntimeError) as e:
             nbytes = math.prod(shape) * entry.dtype.itemsize
             raise TensorStoreError(f"{self.path}: key {entry.path!r}: cannot allocate {human_bytes(nbytes)} for "
@@ -869,9 +907,8 @@ class Store:
                     queue.add_job(self._keyed(job, entry), job.n * DECODE_COST)
             elif queue is None:  # one small range: read it here
                 self._keyed(lambda: fetch(skip, io.tensor_buffer(dest)), entry)()
-                if verify and where.hashes is not None and \
-                        checksum.block_hashes(io.tensor_buffer(dest), where.block) != list(where.hashes):
-                    raise FormatError(f"{self.path}: key {entry.path!r}: {_why(checksum.ChecksumError('its data'))}")
+                if verify:
+                    self._check_hashes(entry, dest)
             else:
                 assert isinstance(where, Contiguous)
                 queue.add(where.offset + skip, dest, lambda job: self._keyed(job, entry),

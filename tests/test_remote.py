@@ -129,44 +129,115 @@ def test_a_full_remote_load_fetches_in_batches_of_bounded_size(served, server, m
     assert max(body) <= 16 * 2**20 + remote.MAX_GAP and len(body) >= 200 * 2**20 // (17 * 2**20)
 
 
-def test_the_next_batches_download_while_the_current_one_is_read(served, server, monkeypatch) -> None:
+@pytest.mark.parametrize("streamed", [True, False])
+def test_the_next_batches_download_while_the_current_one_is_read(served, server, monkeypatch, streamed) -> None:
     """Reading batch k waits until the fetch of batch k + FETCH_AHEAD has begun: a load that
     fetched and then read, batch after batch, would time out here. No more than FETCH_AHEAD
-    batches are fetched ahead of the one in use."""
+    batches are fetched ahead of the one in use. ``streamed``: the 2 MiB tensors stream into
+    their own memory (remote.DIRECT_BYTES), else they are fetched and copied."""
     import threading
 
     _, objs = served
     monkeypatch.setattr(remote, "BATCH_BYTES", 64 * 2**20)
+    monkeypatch.setattr(remote, "DIRECT_BYTES", 1 << 20 if streamed else 1 << 40)
     assert remote.FETCH_AHEAD >= 1
     fetches: list[int] = []
     held: list[int] = []
     ahead: list[int] = []
     begun = threading.Event()
-    real_fetch, real_use, real_pread = remote.RemoteSource.fetch, remote.RemoteSource.use, remote.RemoteSource.pread
+    real_fetch, real_use, real_leaf = remote.RemoteSource.fetch, remote.RemoteSource.use, th5.Store._read_leaf
 
-    def fetch(self, ranges):
-        fetches.append(sum(n for _, n in ranges))
+    def fetch(self, ranges, into=()):
+        fetches.append(sum(n for _, n in ranges) + sum(len(v) for _, v in into))
+        assert all(len(v) == 2 * 2**20 for _, v in into) and (len(into) > 0) == streamed
         ahead.append(len(fetches) - len(held))  # started, not yet in use (this one included)
         if len(fetches) >= 1 + remote.FETCH_AHEAD:
             begun.set()
-        return real_fetch(self, ranges)
+        return real_fetch(self, ranges, into)
 
     def use(self, pieces):
         held.append(sum(len(d) for _, d in pieces))
         return real_use(self, pieces)
 
-    def pread(self, offset, view):
-        if len(view) > 1 << 20 and len(held) == 1:  # tensor data of the first batch
+    def read_leaf(self, entry, *args):
+        if len(held) == 1:  # a tensor of the first batch
             assert begun.wait(10), "the batches after the first were not being fetched while it was read"
-        return real_pread(self, offset, view)
+        return real_leaf(self, entry, *args)
 
     monkeypatch.setattr(remote.RemoteSource, "fetch", fetch)
     monkeypatch.setattr(remote.RemoteSource, "use", use)
-    monkeypatch.setattr(remote.RemoteSource, "pread", pread)
+    monkeypatch.setattr(th5.Store, "_read_leaf", read_leaf)
     out = th5.load(server.url("big.h5"))
     assert all(torch.equal(out[k], v) for k, v in objs["big"].items())
     assert len(fetches) == 4 and max(fetches) <= 64 * 2**20 + 2 * 2**20 and max(held) <= 64 * 2**20 + remote.MAX_GAP
     assert max(ahead) <= remote.FETCH_AHEAD + 1, ahead
+    gets = [n for m, _, n in server.requests if m == "GET"][2:]  # after the header and the layout
+    data = sum(v.nbytes for v in objs["big"].values())
+    if streamed:  # one request per tensor, for its bytes alone
+        assert len(gets) == len(objs["big"]) and sum(gets) == data
+    else:  # coalesced: the few bytes of padding between datasets come along
+        assert data < sum(gets) <= data + 64 * 1024 and len(gets) < len(objs["big"])
+
+
+def test_large_tensors_stream_into_their_own_memory_exactly(served, server) -> None:
+    """Tensors of at least remote.DIRECT_BYTES come by requests of their own, straight into
+    the new tensor: strided, aliased, bfloat16 and small neighbours all come back as saved."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(1024, 700, generator=g)  # 2.9 MB: one request
+    sd = {"w": w, "t": torch.randn(900, 600, generator=g).t(), "alias": w, "view": w[:512],
+          "bf": torch.randn(1000, 1000, generator=g).to(torch.bfloat16), "big": torch.randn(3, 1024, 1024, generator=g),
+          "small": torch.arange(10), "step": 7}
+    th5.save(sd, server.root / "mixed.h5")
+    url = server.url("mixed.h5")
+    with th5.open(url) as s:
+        server.reset()
+        out = s.load(verify=True)
+    assert_same(out, sd)
+    assert out["alias"] is out["w"] and out["t"].stride() == sd["t"].stride()
+    gets = sorted(int(r.split("=")[1].split("-")[0]) for m, r, _ in server.requests if m == "GET")
+    direct = sum(-(-v.nbytes // remote.REQUEST_BYTES) for k, v in sd.items() if k in ("w", "t", "bf", "big", "view"))
+    assert len(gets) == direct + 1, server.requests  # each large one alone ("big" in 2 of 8 MiB); "small" with the rest
+
+
+def test_streamed_tensors_fail_as_fetched_ones_do(served, server, monkeypatch) -> None:
+    """Errors of the streaming path: a range ignored, a body cut short, connections dropped
+    (retried, then refused), a status; each names the URL and the batch's keys."""
+    monkeypatch.setattr(remote, "BACKOFF", 0.01)
+    url = server.url("big.h5")
+    with th5.open(url) as s:
+        server.behaviour.ignore_range = True
+        with pytest.raises(th5.TensorStoreError, match=r"big\.h5: keys 'layers\.0\.weight', .*ignored the byte range"):
+            s.load(select="layers.[0-3].*")
+        server.reset()
+        server.behaviour.short = True
+        with pytest.raises(th5.TensorStoreError, match=r"big\.h5: keys 'layers\.0\.weight', .*ended early"):
+            s.load(select="layers.[0-3].*")
+        server.reset()
+        server.behaviour.drop_next = 2
+        out = s.load(select="layers.[0-3].*")
+        assert all(torch.equal(out[f"layers.{i}.weight"], served[1]["big"][f"layers.{i}.weight"]) for i in range(4))
+        server.behaviour.drop_next = 100
+        with pytest.raises(th5.TensorStoreError, match=rf"big\.h5: keys .*after {remote.RETRIES + 1} tries"):
+            s.load(select="layers.[0-3].*")
+        server.reset()
+        server.behaviour.status["/big.h5"] = 403
+        with pytest.raises(th5.TensorStoreError, match=r"big\.h5: keys .*access denied"):
+            s.load(select="layers.[0-3].*")
+
+
+def test_a_streamed_tensor_with_damaged_bytes_is_refused_with_verify(served, server) -> None:
+    _, objs = served
+    damaged = server.root / "damaged.h5"
+    shutil.copy(server.root / "big.h5", damaged)
+    with th5.open(damaged) as s:
+        offset = s._where(s["layers.5.weight"]._entry).offset
+    with open(damaged, "r+b") as f:
+        f.seek(offset + 12345)
+        f.write(b"\x00\x01\x02")
+    with pytest.raises(th5.FormatError, match=r"damaged\.h5: key 'layers\.5\.weight'.*checksum"):
+        th5.load(server.url("damaged.h5"), select="layers.[4-6].*", verify=True)
+    out = th5.load(server.url("damaged.h5"), select="layers.4.weight", verify=True)
+    assert torch.equal(out["layers.4.weight"], objs["big"]["layers.4.weight"])
 
 
 @pytest.mark.parametrize("status, words", [(404, "not found"), (403, "access denied"), (500, "request failed after")])

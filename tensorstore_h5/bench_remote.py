@@ -1,5 +1,6 @@
-"""``tensorstore-h5 bench --remote``: loading over HTTP (a loopback server with byte ranges, with
-and without added latency) against the raw limit and safetensors read the same way.
+"""``tensorstore-h5 bench --remote``: loading over HTTP (a loopback server with byte ranges, in a
+process of its own, with and without added latency) against the raw limit and safetensors read
+the same way.
 
 For each latency: a full load, a 1 % select (1 % of the keys) and a 1 % row slice of every
 tensor through ``th5.load(url)`` / ``th5.open(url)``; the raw limit (every byte range of the
@@ -33,7 +34,7 @@ def run(size_gb: float = 0.5, keys: int = 100, repeat: int = 3, latencies: tuple
     from safetensors.torch import save_file
 
     import tensorstore_h5 as th5
-    from .loopback import RangeServer
+    from .loopback import ServerProcess
     from .synthetic import bench_state_dict
 
     rows: list[dict[str, Any]] = []
@@ -47,7 +48,7 @@ def run(size_gb: float = 0.5, keys: int = 100, repeat: int = 3, latencies: tuple
         picked_bytes = sum(sd[k].numel() * sd[k].element_size() for k in picked)
         slice_bytes = sum(sd[k][: max(1, len(sd[k]) // 100)].numel() * sd[k].element_size() for k in names)
         del sd
-        server = RangeServer(tmp)
+        server = ServerProcess(tmp)  # not in this process: it would share the client's interpreter lock
         try:
             url, st_url = server.url("ckpt.h5"), server.url("ckpt.safetensors")
             with th5.open(url) as s:
@@ -55,7 +56,7 @@ def run(size_gb: float = 0.5, keys: int = 100, repeat: int = 3, latencies: tuple
             echo(f"{'latency':>8} {'operation':<44} {'best s':>8} {'median s':>8} {'GB/s':>7} {'MB moved':>9} "
                  f"{'requests':>8}")
             for latency in latencies:
-                server.behaviour.latency = latency
+                server.control(latency=latency)
                 fs = fsspec.filesystem("http", skip_instance_cache=True)
                 piece = 8 << 20
 
@@ -99,13 +100,13 @@ def run(size_gb: float = 0.5, keys: int = 100, repeat: int = 3, latencies: tuple
                 requests: dict[str, int] = dict.fromkeys(times, 0)
                 for _ in range(repeat):  # in rounds: a slow spell of the machine hits every operation alike
                     for label, fn, _ in ops:
-                        server.reset()
-                        server.behaviour.latency = latency
+                        server.control(reset=True, latency=latency)
                         t0 = time.perf_counter()
                         fn()
                         times[label].append(time.perf_counter() - t0)
-                        sent[label] += server.bytes_sent
-                        requests[label] += len(server.requests)
+                        counts = server.control()
+                        sent[label] += counts["bytes_sent"]
+                        requests[label] += counts["requests"]
                 for label, _, moved in ops:
                     seconds = min(times[label])
                     row = {"latency_ms": latency * 1e3, "name": label, "seconds": seconds,

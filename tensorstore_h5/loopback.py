@@ -1,19 +1,30 @@
 """A loopback HTTP server for the remote tests and ``tensorstore-h5 bench --remote``: the files
 of a directory, with byte ranges, counting every request and byte it sends, with added latency,
 and misbehaving on request (errors, ignored ranges, dropped connections, short answers).
-127.0.0.1 only, on a free port; :meth:`RangeServer.stop` stops it."""
+127.0.0.1 only, on a free port; :meth:`RangeServer.stop` stops it.
+
+:class:`ServerProcess` runs one in a process of its own (``python -m tensorstore_h5.loopback``),
+driven through a control path: a server inside the measuring process would take turns with
+the client for its interpreter lock, which no real server does."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-__all__ = ["Behaviour", "RangeServer", "free_port"]
+__all__ = ["Behaviour", "RangeServer", "ServerProcess", "CONTROL", "free_port"]
+
+CONTROL = "/_control"
+"""The path of a server started with ``control=True``: GET answers its counts as JSON, POST
+``{"latency": seconds}`` or ``{"reset": true}`` changes it. Neither is counted nor delayed."""
 
 
 @dataclass
@@ -37,7 +48,9 @@ class _Server(ThreadingHTTPServer):
 
 
 class RangeServer:
-    def __init__(self, root: str | Path) -> None:
+    """Serves the files under ``root`` (see the module); ``control``: also the :data:`CONTROL` path."""
+
+    def __init__(self, root: str | Path, control: bool = False) -> None:
         self.root = Path(root)
         self.behaviour = Behaviour()
         self.requests: list[tuple[str, str, int]] = []  # (method, range header, bytes sent)
@@ -46,6 +59,8 @@ class RangeServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # TCP_NODELAY, as servers set it: headers and body go in two
+            # writes, and Nagle's algorithm held the second until the client's delayed ACK (~40 ms)
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -112,8 +127,33 @@ class RangeServer:
                 self._answer(part, 206, {"Content-Range": f"bytes {start}-{start + len(part) - 1}/{size}",
                                          "Accept-Ranges": "bytes"}, send_body)
 
+            def _control(self) -> bool:
+                """Answer a request to the control path; False for any other request."""
+                if not control or self.path != CONTROL:
+                    return False
+                if self.command == "POST":
+                    asked = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                    if asked.get("reset"):
+                        server.reset()
+                    if "latency" in asked:
+                        server.behaviour.latency = float(asked["latency"])
+                with server._lock:
+                    body = json.dumps({"bytes_sent": sum(n for _, _, n in server.requests),
+                                       "requests": len(server.requests)}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return True
+
             def do_GET(self) -> None:  # noqa: N802
-                self._serve(True)
+                if not self._control():
+                    self._serve(True)
+
+            def do_POST(self) -> None:  # noqa: N802
+                if not self._control():
+                    self._answer(b"read only", 405, {}, True)
 
             def do_HEAD(self) -> None:  # noqa: N802
                 self._serve(False)
@@ -148,3 +188,57 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A :class:`RangeServer` of ``root`` in a child process, driven over its control path; the
+    child ends with :meth:`stop`, or when this process ends (it serves until its stdin closes)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-m", "tensorstore_h5.loopback", str(root)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self._proc.stdout.readline() if self._proc.stdout else ""
+        if not line.strip().isdigit():
+            self._proc.kill()
+            raise RuntimeError(f"the loopback server did not start (it printed {line!r})")
+        self.port = int(line)
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{name}"
+
+    def control(self, **asked: object) -> dict[str, int]:
+        """POST ``asked`` (``latency=``, ``reset=True``) when given; the server's counts."""
+        data = json.dumps(asked).encode() if asked else None
+        with urllib.request.urlopen(urllib.request.Request(self.url(CONTROL.lstrip("/")), data=data), timeout=30) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        if self._proc.stdin:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        if self._proc.stdout:
+            self._proc.stdout.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tensorstore_h5.loopback ROOT``: serve ROOT with the control path on a free port
+    of 127.0.0.1, print the port, and serve until standard input closes."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not Path(args[0]).is_dir():
+        print("usage: python -m tensorstore_h5.loopback DIRECTORY", file=sys.stderr)
+        return 2
+    server = RangeServer(args[0], control=True)
+    print(server.port, flush=True)
+    try:
+        sys.stdin.read()  # until the parent closes it, or ends
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

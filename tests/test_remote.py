@@ -16,7 +16,7 @@ import tensorstore_h5 as th5
 from tensorstore_h5 import remote
 
 from helpers import assert_same
-from tensorstore_h5.loopback import RangeServer, free_port
+from tensorstore_h5.loopback import RangeServer, ServerProcess, free_port
 
 pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
@@ -387,3 +387,30 @@ def test_error_kinds_come_from_the_status_not_from_digits_in_the_url() -> None:
     assert remote._transient(ClientError(f"500, message='Internal Server Error', url='{url}'"))
     assert not remote._transient(ClientError("An error occurred (403) when calling GetObject: Forbidden"))
     assert remote._transient(ClientError(f"Connection reset by peer: {url}"))
+
+
+def test_the_benchmarks_server_runs_in_a_process_of_its_own(tmp_path) -> None:
+    """bench --remote serves from a child process (ServerProcess), driven over its control path."""
+    import os
+
+    import fsspec
+
+    data = os.urandom(100_000)
+    (tmp_path / "a.bin").write_bytes(data)
+    server = ServerProcess(tmp_path)
+    try:
+        fs = fsspec.filesystem("http", skip_instance_cache=True)
+        assert fs.cat_file(server.url("a.bin"), start=10, end=1010) == data[10:1010]
+        assert server.control() == {"bytes_sent": 1000, "requests": 1}  # the control requests are not counted
+        assert server.control(reset=True, latency=0.2) == {"bytes_sent": 0, "requests": 0}
+        t0 = time.perf_counter()
+        fs.cat_file(server.url("a.bin"), start=0, end=10)
+        assert time.perf_counter() - t0 >= 0.2
+        import urllib.error
+        import urllib.request
+
+        with pytest.raises(urllib.error.HTTPError, match="405"):
+            urllib.request.urlopen(urllib.request.Request(server.url("a.bin"), data=b"x"), timeout=10)  # read only
+    finally:
+        server.stop()
+    assert server._proc.returncode == 0

@@ -419,21 +419,59 @@ class Store:
                     self._rawfile().prime(ranges)
             elif io.READAHEAD_BYTES:  # from a cold cache the kernel reads ahead of the I/O threads
                 self._rawfile().willneed(ranges)
+        staged: dict[str, torch.Tensor] = {}
+        if callable(device) and not isinstance(device, (str, torch.device)):  # asked once per key
+            device = _asked_once(device)
         direct = None
         if isinstance(self._rawfile(), remote.RemoteSource):  # large tensors stream into their own memory
             def direct(e: Any) -> bool:
                 return isinstance(e, TensorEntry) and e.same_as is None and e.nbytes >= remote.DIRECT_BYTES and \
                     isinstance(self._where(e), Contiguous) and self._target(device, e.path) is None
         with self._batched(progress, sum(_data_bytes(e) for e in entries), cold) as (bar, plan):
+            if device is not None and self._local and transfer.batched():  # to devices: many tensors per buffer
+                pairs = [(e, transfer.device_empty(e.shape, e.dtype.torch_dtype, d, e.path)) for e in entries
+                         if (d := self._stageable(e, device)) is not None]
+                self._stage_many(pairs, lambda e: bar.update(_data_bytes(e)))
+                staged = {e.path: t for e, t in pairs}
             for group, filled in self._fetched(entries, direct):
                 for entry in group:
                     if isinstance(entry, Container):
                         items.append(entry)
                     else:
-                        leaf = self._read_leaf(entry, cache, device, fmap, plan, verify, filled.get(entry.path))
+                        value = staged.get(entry.path) if entry.path in staged else filled.get(entry.path)
+                        leaf = self._read_leaf(entry, cache, device, fmap, plan, verify, value)
                         items.append(Leaf(entry.path, entry.key, leaf))
-                        bar.update(_data_bytes(entry))
+                        if entry.path not in staged:
+                            bar.update(_data_bytes(entry))
         return tree.inflate(items)
+
+    def _stageable(self, entry: Any, device: Device) -> torch.device | None:
+        """The device that ``entry`` goes to through :meth:`_stage_many` (a contiguous dataset of
+        a local file with bytes, not an alias, bound for memory that is not the CPU's), else None."""
+        if not isinstance(entry, TensorEntry) or entry.same_as is not None or not entry.nbytes:
+            return None
+        target = self._target(device, entry.path)
+        if target is None or not isinstance(self._where(entry), Contiguous):
+            return None
+        return target
+
+    def _stage_many(self, pairs: list[tuple[TensorEntry, torch.Tensor]], done: Callable[[TensorEntry], None]
+                    ) -> None:
+        """Fill each contiguous device tensor with its entry's stored bytes (shapes and dtypes
+        already match) through the staging buffers of its device, many tensors per buffer
+        (:meth:`transfer.Stager.copy_many`). ``done(entry)`` as each one's copies are issued.
+        Raises FormatError naming the key for a read that fails."""
+        raw = self._rawfile()
+        of = {id(t): e for e, t in pairs}  # dest -> entry, for done
+
+        def filler(entry: TensorEntry) -> transfer.Fill:
+            where = self._where(entry)
+            assert isinstance(where, Contiguous)
+            return lambda off, buf: self._keyed(lambda: raw.pread(where.offset + off, io.tensor_buffer(buf)), entry)()
+
+        for dev in dict.fromkeys(t.device for _, t in pairs):
+            mine = [(t, filler(e)) for e, t in pairs if t.device == dev]
+            self._stager(dev).copy_many(mine, lambda t: done(of[id(t)]))
 
     def _fetched(self, entries: list[Any], direct: Callable[[Any], bool] | None = None
                  ) -> Iterator[tuple[list[Any], dict[str, torch.Tensor]]]:
@@ -530,6 +568,12 @@ class Store:
                 self._verify_stored(entry)
         targets = {id(e): t for e, t in pairs}
         with self._batched(progress, sum(e.nbytes for e, _ in pairs)) as (bar, plan):
+            if self._local and transfer.batched():  # device targets: many tensors per staging buffer
+                staged = [(e, t) for e, t in pairs if _staged(t) and t.is_contiguous() and e.nbytes and
+                          t.dtype == e.dtype.torch_dtype and isinstance(self._where(e), Contiguous)]
+                self._stage_many(staged, lambda e: bar.update(e.nbytes))
+                done = {id(e) for e, _ in staged}
+                pairs = [(e, t) for e, t in pairs if id(e) not in done]
             for group, _ in self._fetched([e for e, _ in pairs]):
                 for entry in group:
                     target = targets[id(entry)]
@@ -724,8 +768,10 @@ class Store:
             t = self._mapped(entry, fmap, verify) if fmap is not None and target is None else None
             sel = whole(entry.shape)
             if filled is not None:
-                if verify:
+                if verify and filled.device.type == "cpu":
                     self._check_hashes(entry, filled)
+                elif verify:  # device memory: the stored bytes are read once more on the host
+                    self._verify_stored(entry)
                 t = self._restore(filled, entry) if entry.stride is not None else filled
             elif t is None and target is not None:  # allocated on the device, filled through the staging buffers
                 t = transfer.device_empty(entry.shape, entry.dtype.torch_dtype, target, entry.path)
@@ -1026,6 +1072,17 @@ def _data_bytes(entry: Any) -> int:
     if isinstance(entry, ArrayEntry) or (isinstance(entry, TensorEntry) and entry.same_as is None):
         return entry.nbytes
     return 0
+
+
+def _asked_once(device: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``device``, called at most once per key path (a load looks a key's device up twice)."""
+    chosen: dict[str, Any] = {}
+
+    def ask(path: str) -> Any:
+        if path not in chosen:
+            chosen[path] = device(path)
+        return chosen[path]
+    return ask
 
 
 def _device_for(device: Device, path: str) -> Any:

@@ -7,14 +7,16 @@ the CPU test suite covers its block boundaries, ordering and buffer reuse.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from . import io
 from .errors import TensorStoreError
 
-__all__ = ["STAGING_BUFFERS", "STAGING_BYTES", "GDS", "Stager", "device_empty", "gds_read"]
+__all__ = ["STAGING_BUFFERS", "STAGING_BYTES", "GDS", "Fill", "Stager", "batched", "device_empty", "gds_read"]
 
 STAGING_BUFFERS = 2
 """Number of host staging buffers."""
@@ -84,6 +86,65 @@ class Stager:
         except torch.cuda.OutOfMemoryError as e:  # pragma: no cover - needs a GPU
             raise TensorStoreError(f"out of device memory while loading key {key!r} to {self.device}") from e
 
+    def copy_many(self, parts: Iterable[tuple[torch.Tensor, Fill]], done: Callable[[torch.Tensor], None] | None = None
+                  ) -> None:
+        """Fill many contiguous tensors (``(dest, fill)`` pairs, ``fill`` as in :meth:`copy`)
+        by packing their bytes into the staging buffers in order: a buffer holds the next
+        bytes of one or more tensors, its reads (in pieces of at least
+        :data:`io.SPLIT_MIN_BYTES`, one buffer's worth split over the I/O threads) run on the
+        I/O thread pool together, then its copies to the device go out, so a checkpoint of
+        many small tensors fills whole buffers with all threads reading. ``done(dest)``:
+        called when the last copy into ``dest`` has been issued (not finished)."""
+        piece = max(io.SPLIT_MIN_BYTES, self.block_bytes // max(1, io.IO_THREADS))
+        size = self.block_bytes
+        queued: list[tuple[torch.Tensor, torch.Tensor, Fill, int, int, int]] = []  # dest, flat, fill, start, at, n
+        used = 0
+        slot = 0
+
+        def flush() -> None:
+            nonlocal queued, used, slot
+            if not queued:
+                return
+            if self._events[slot] is not None:
+                self._events[slot].synchronize()  # the copies out of this buffer are done
+            buf = self._bufs[slot]
+            jobs = [functools.partial(fill, start + a, buf[at + a:at + min(n, a + piece)])
+                    for _, _, fill, start, at, n in queued for a in range(0, n, piece)]
+            io.run_jobs(jobs)
+            self.uses[slot] += 1
+            for dest, flat, _, start, at, n in queued:
+                if self._stream is None:
+                    flat[start:start + n].copy_(buf[at:at + n])
+                else:
+                    with torch.cuda.stream(self._stream):
+                        flat[start:start + n].copy_(buf[at:at + n], non_blocking=True)
+                if done is not None and start + n == flat.numel():
+                    done(dest)
+            if self._stream is not None:
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                self._events[slot] = event
+            queued, used, slot = [], 0, (slot + 1) % len(self._bufs)
+
+        try:
+            for dest, fill in parts:
+                flat = dest.reshape(-1).view(torch.uint8) if dest.numel() else None
+                if flat is None:
+                    continue
+                start, total = 0, flat.numel()
+                while start < total:
+                    n = min(total - start, size - used)
+                    queued.append((dest, flat, fill, start, used, n))
+                    start += n
+                    used += n
+                    if used == size:
+                        flush()
+            flush()
+            if self._stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        except torch.cuda.OutOfMemoryError as e:  # pragma: no cover - needs a GPU
+            raise TensorStoreError(f"out of device memory while loading to {self.device}") from e
+
     def block_size(self, align: int = 1) -> int:
         """Bytes per block: the largest multiple of ``align`` that fits a buffer (the buffer
         size when ``align`` is larger than a buffer)."""
@@ -106,6 +167,12 @@ def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Any, key: s
         raise TensorStoreError(f"out of device memory allocating key {key!r} ({list(shape)} {dtype}) on {device}") from e
     except (RuntimeError, AssertionError, ValueError) as e:
         raise TensorStoreError(f"cannot allocate key {key!r} ({list(shape)} {dtype}) on device {str(device)!r} ({e})") from e
+
+
+def batched() -> bool:
+    """True when loads to a device pack many tensors into each staging buffer
+    (:meth:`Stager.copy_many`): whenever GPUDirect Storage is not used (see :data:`GDS`)."""
+    return _kvikio() is None
 
 
 _kvikio_module: Any = False  # not looked up yet

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 
@@ -13,7 +14,7 @@ import tensorstore_h5 as th5
 from tensorstore_h5 import store as store_mod
 from tensorstore_h5.transfer import Stager
 
-from helpers import assert_same_tensor, random_tensor
+from helpers import assert_same, assert_same_tensor, random_tensor
 
 
 @pytest.mark.parametrize("nbytes", [1, 999, 1000, 1001, 4567])
@@ -110,6 +111,99 @@ def test_pread_split_reports_a_failed_piece_after_all_have_ended(monkeypatch) ->
     assert small == [(7, 1999)]  # under two pieces' worth: one read
 
 
+def test_copy_many_packs_tensors_into_the_buffers_in_order(monkeypatch) -> None:
+    """Many tensors share each staging buffer: every byte lands once, in its own tensor; each
+    buffer is filled (pieces of one buffer on several threads) before its copies go out."""
+    monkeypatch.setattr(store_mod.io, "SPLIT_MIN_BYTES", 100)
+    monkeypatch.setattr(store_mod.io, "IO_THREADS", 4)
+    sizes = [1, 999, 0, 1000, 1001, 37, 4567, 2, 300]
+    g = torch.Generator().manual_seed(3)
+    srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+    dests = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    stager = Stager("cpu", buffers=2, buffer_bytes=1000)
+    bufs = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in stager._bufs]
+    fills, threads, done = [], set(), []
+
+    def fill_of(src):
+        def fill(offset: int, buf: torch.Tensor) -> None:
+            assert any(lo <= buf.data_ptr() and buf.data_ptr() + buf.numel() <= hi for lo, hi in bufs)
+            fills.append((id(src), offset, buf.numel()))
+            threads.add(threading.current_thread().name)
+            buf.copy_(src[offset:offset + buf.numel()])
+        return fill
+
+    stager.copy_many([(d, fill_of(s)) for d, s in zip(dests, srcs)], done.append)
+    assert all(torch.equal(d, s) for d, s in zip(dests, srcs))
+    assert [id(t) for t in done] == [id(d) for d in dests if d.numel()]  # each once, in order
+    for s in srcs:  # the pieces of each tensor cover it once
+        pieces = sorted((o, n) for i, o, n in fills if i == id(s))
+        assert sum(n for _, n in pieces) == s.numel() and all(a[0] + a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+    assert sum(stager.uses) == -(-sum(sizes) // 1000) and len(threads) > 1  # full buffers, filled by several threads
+
+
+def test_device_loads_fill_many_tensors_per_buffer(tmp_path, device_cpu) -> None:
+    """load(device=...) sends every contiguous tensor of a local file through shared staging
+    buffers (1000 bytes here): 60 small tensors fill a handful of buffers, not 60; aliases,
+    strided and compressed tensors still come back as saved; verify checks them."""
+    g = torch.Generator().manual_seed(8)
+    sd = {f"p{i}": torch.randn(i + 1, 3, generator=g) for i in range(60)}
+    sd.update({"alias": sd["p7"], "t": torch.randn(20, 30, generator=g).t(), "empty": torch.empty(0, 4),
+               "z": torch.zeros(700), "step": 3})
+    th5.save(sd, tmp_path / "m.h5", compression=lambda p, t: "lz4" if p == "z" else None)
+    with th5.open(tmp_path / "m.h5") as s:
+        out = s.load(device="cpu", verify=True)
+        stager = s._stagers[torch.device("cpu")]
+        contiguous = sum(v.nbytes for k, v in sd.items() if k.startswith("p")) + sd["t"].nbytes
+        assert sum(stager.uses) <= -(-contiguous // 1000) + 2 + 3  # + the compressed one's blocks
+    assert_same(out, sd)
+    assert out["alias"] is out["p7"] and device_cpu == []
+
+
+def test_load_into_device_targets_fills_many_per_buffer(tmp_path, staged_cpu, monkeypatch) -> None:
+    """load_into with device targets (the CPU standing in): contiguous targets of the stored
+    dtype share staging buffers and keep their memory; a transposed target and one of another
+    dtype take the per-tensor path; a damaged file changes no target, checked first."""
+    g = torch.Generator().manual_seed(9)
+    sd = {f"p{i}": torch.randn(i + 1, 5, generator=g) for i in range(40)}
+    sd["w"] = torch.randn(30, 20, generator=g)
+    th5.save(sd, tmp_path / "i.h5")
+    target = {k: torch.zeros_like(v) for k, v in sd.items()}
+    target["w"] = torch.zeros(20, 30).t()  # not contiguous
+    target["p3"] = torch.zeros(4, 5, dtype=torch.float64)  # cast like copy_
+    ptrs = {k: v.data_ptr() for k, v in target.items()}
+    packed = []
+    real = Stager.copy_many
+
+    def copy_many(self, parts, done=None):
+        parts = list(parts)
+        real(self, parts, done)
+        packed.append((len(parts), sum(self.uses)))
+
+    monkeypatch.setattr(Stager, "copy_many", copy_many)
+    assert th5.load_into(target, tmp_path / "i.h5") == th5.LoadResult([], [])
+    assert all(torch.equal(target[k].to(v.dtype), v) and target[k].data_ptr() == ptrs[k] for k, v in sd.items())
+    data = sum(v.nbytes for k, v in sd.items() if k not in ("w", "p3"))
+    assert packed == [(39, -(-data // 1000))]  # 39 targets in full buffers, "w" and "p3" apart
+    with th5.open(tmp_path / "i.h5") as s:
+        offset = s["p20"]._entry.extent.offset
+    with open(tmp_path / "i.h5", "r+b") as f:
+        f.seek(offset + 4)
+        f.write(b"\xff\xff")
+    fresh = {k: torch.zeros_like(v) for k, v in sd.items()}
+    with pytest.raises(th5.FormatError, match="key 'p20'.*checksum"):
+        th5.load_into(fresh, tmp_path / "i.h5", verify=True)
+    assert not any(v.any() for v in fresh.values())  # nothing changed
+
+
+def test_a_device_load_that_fails_names_the_key(tmp_path, device_cpu) -> None:
+    path = tmp_path / "f.h5"
+    th5.save({"a": torch.ones(100), "b": torch.ones(300, 100)}, path)
+    with th5.open(path) as s:
+        os.truncate(path, s["a"]._entry.extent.offset + 408)
+        with pytest.raises(th5.FormatError, match="f.h5: key 'b': cannot read the data.*truncated"):
+            s.load(device="cpu")
+
+
 @pytest.mark.cuda
 def test_cuda_targets(tmp_path) -> None:
     if not torch.cuda.is_available():
@@ -144,7 +238,7 @@ def device_cpu(staged_cpu, monkeypatch):
                         else real_target(self, device, key))
     temps = []
     real = store_mod.io.empty
-    monkeypatch.setattr(store_mod.io, "empty", lambda shape, dtype: temps.append(tuple(shape)) or real(shape, dtype))
+    monkeypatch.setattr(store_mod.io, "empty", lambda shape, dtype, *a: temps.append(tuple(shape)) or real(shape, dtype, *a))
     return temps
 
 

@@ -36,6 +36,7 @@ class Behaviour:
     status: dict[str, int] = field(default_factory=dict)  # path -> status to answer (403, 404, 500)
     drop_next: int = 0             # close the connection mid-body on this many requests
     short: bool = False            # send fewer bytes than the range asks for
+    suffix: bool = True            # answer suffix ranges (bytes=-N); False: the whole file, as some servers do
 
 
 class _Server(ThreadingHTTPServer):
@@ -110,7 +111,11 @@ class RangeServer:
                     self._answer(b"not found", 404, {}, send_body)
                     return
                 size = f.stat().st_size
-                m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+                asked = self.headers.get("Range", "")
+                last = re.fullmatch(r"bytes=-(\d+)", asked)
+                if last is not None and b.suffix and size:  # the last N bytes (RFC 9110)
+                    asked = f"bytes={max(0, size - int(last.group(1)))}-"
+                m = re.fullmatch(r"bytes=(\d+)-(\d*)", asked)
                 if m is None or b.ignore_range:
                     self._answer(f.read_bytes() if send_body else b"", 200, {"Accept-Ranges": "bytes"}, send_body, size)
                     return

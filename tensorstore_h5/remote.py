@@ -4,8 +4,9 @@ A source has what :class:`tensorstore_h5.io.RawFile` has (``path``, ``size``, ``
 ``read``, ``close``) and, for remote ones, :meth:`RemoteSource.prefetch`: the reader names
 every byte range it is about to read, and the source fetches them in few requests
 (neighbouring ranges coalesced, independent ones concurrently), so that a partial load moves
-only its own bytes plus the layout. Opening a format-2 file costs two round trips: the
-64-byte header (with the object's size, asked for at the same time) and the layout.
+only its own bytes plus the layout. Opening a format-2 file costs one round trip: the
+64-byte header, the object's size and its last :data:`TAIL_BYTES` (where the layout lies) are
+asked for at the same time; a longer layout, or a server without suffix ranges, costs one more.
 
 fsspec (and s3fs for ``s3://``) are optional: ``pip install "tensorstore_h5[remote]"``.
 """
@@ -24,8 +25,8 @@ from typing import Any
 from . import io
 from .errors import TensorStoreError
 
-__all__ = ["RETRIES", "MAX_GAP", "REQUEST_BYTES", "BATCH_BYTES", "FETCH_AHEAD", "DIRECT_BYTES", "is_url", "is_fileobj", "open_source",
-           "RemoteSource", "FileObjSource", "RemoteError", "upload"]
+__all__ = ["RETRIES", "MAX_GAP", "REQUEST_BYTES", "BATCH_BYTES", "FETCH_AHEAD", "TAIL_BYTES", "DIRECT_BYTES", "is_url",
+           "is_fileobj", "open_source", "RemoteSource", "FileObjSource", "RemoteError", "upload"]
 
 RETRIES = 3
 """Times a failed request is tried again (transient errors only: connection, timeout, 5xx)."""
@@ -46,6 +47,11 @@ tensors of the current one are filled."""
 FETCH_AHEAD = 2
 """Batches a remote load downloads ahead of the one it fills (at most ``FETCH_AHEAD + 1``
 batches are held), so that one slow batch does not leave the connection idle."""
+
+TAIL_BYTES = 256 << 10
+"""Opening a remote file also fetches its last this many bytes, in the same round trip as its
+header: a format-2 file's layout lies there (for up to ~1,500 keys; a longer layout's first
+part costs one more request). 0: only the header."""
 
 DIRECT_BYTES = 1 << 20
 """A load streams each contiguous tensor of at least this many bytes straight into the new
@@ -171,23 +177,75 @@ class RemoteSource:
         raise AssertionError
 
     def head(self, head: int) -> bytes:
-        """The object's first ``head`` bytes; its size is asked for at the same time."""
+        """The object's first ``head`` bytes. Its size and its last :data:`TAIL_BYTES` (where
+        a format-2 file keeps its layout) are asked for at the same time, the tail kept for
+        the reads that follow (until :meth:`use` or :meth:`release`): opening costs one round
+        trip."""
         result: dict[str, Any] = {}
 
-        def info() -> None:
-            try:
-                result["size"] = self._call("size", lambda: self._fs.info(self._key)["size"])
-            except BaseException as e:  # noqa: BLE001 - raised in the calling thread
-                result["error"] = e
+        def ask(name: str, fn: Callable[[], Any]) -> threading.Thread:
+            def run() -> None:
+                try:
+                    result[name] = fn()
+                except BaseException as e:  # noqa: BLE001 - raised in the calling thread
+                    result.setdefault("error", e)
+            t = threading.Thread(target=run, daemon=True)
+            t.start()
+            return t
 
-        t = threading.Thread(target=info, daemon=True)
-        t.start()
+        asked = [ask("size", lambda: self._call("size", lambda: self._fs.info(self._key)["size"]))]
+        tail_of = self._tail_reader() if TAIL_BYTES > head else None
+        if tail_of is not None:
+            asked.append(ask("tail", tail_of))
         data = self._get(0, head, allow_short=True)
-        t.join()
+        for t in asked:
+            t.join()
         if "error" in result:
             raise result["error"]
         self.size = int(result["size"])
+        tail = result.get("tail")
+        if tail is not None:
+            with self._lock:
+                self.stats["requests"] += 1
+                self.stats["bytes"] += len(tail)
+            if len(tail) == min(TAIL_BYTES, self.size):  # else not the tail of this object: not kept
+                self.use([(self.size - len(tail), tail)])
         return data[:min(head, self.size)]
+
+    def _tail_reader(self) -> Callable[[], bytes | None] | None:
+        """A function fetching the object's last :data:`TAIL_BYTES` by a suffix range request
+        (None from it where that fails: the tail is only a head start), for the file systems
+        known to answer one: HTTP (a server that answers otherwise is hung up on unread) and
+        S3. None elsewhere."""
+        protocols = {self._fs.protocol} if isinstance(self._fs.protocol, str) else set(self._fs.protocol)
+
+        def guarded(fn: Callable[[], bytes | None]) -> Callable[[], bytes | None]:
+            def run() -> bytes | None:
+                try:
+                    return fn()
+                except Exception:  # noqa: BLE001 - the header's and size's requests report errors
+                    return None
+            return run
+
+        if self._streams():
+            from fsspec.asyn import sync
+
+            return guarded(lambda: sync(self._fs.loop, self._http_tail))
+        if protocols & {"s3", "s3a"}:
+            return guarded(lambda: self._fs.cat_file(self._key, start=-TAIL_BYTES))
+        return None
+
+    async def _http_tail(self) -> bytes | None:
+        """``Range: bytes=-TAIL_BYTES`` over fsspec's session; None unless answered 206."""
+        fs = self._fs
+        kw = dict(fs.kwargs)
+        headers = dict(kw.pop("headers", None) or {})
+        headers["Range"] = f"bytes=-{TAIL_BYTES}"
+        session = await fs.set_session()
+        async with session.get(fs.encode_url(self._key), headers=headers, **kw) as r:
+            if r.status != 206:
+                return None  # leaving the block unread closes the connection: no whole object downloaded
+            return await r.read()
 
     def _get(self, start: int, end: int, allow_short: bool = False) -> bytes:
         data = self._call(f"bytes {start}..{end}", lambda: self._fs.cat_file(self._key, start=start, end=end))
@@ -206,22 +264,21 @@ class RemoteSource:
 
     def pread(self, offset: int, view: memoryview) -> None:
         """Fill ``view`` with the bytes at ``offset``: from the prefetched ranges where they
-        hold them (consecutive requests of one range included), else with one request."""
+        hold them, each gap between them with one request."""
         n, done = len(view), 0
         with self._lock:
             cache = self._cache
-        i = bisect.bisect_right(cache, offset, key=lambda c: c[0]) - 1
-        while done < n and 0 <= i < len(cache):
-            start, data = cache[i]
+        while done < n:
             at = offset + done
-            if not start <= at < start + len(data):
-                break
-            take = min(n - done, start + len(data) - at)
-            view[done:done + take] = memoryview(data)[at - start:at - start + take]  # no temporary copy
+            i = bisect.bisect_right(cache, at, key=lambda c: c[0]) - 1
+            if i >= 0 and at < cache[i][0] + len(cache[i][1]):
+                start, data = cache[i]
+                take = min(n - done, start + len(data) - at)
+                view[done:done + take] = memoryview(data)[at - start:at - start + take]  # no temporary copy
+            else:  # up to the next prefetched range, or the end
+                take = min(n - done, (cache[i + 1][0] if i + 1 < len(cache) else offset + n) - at)
+                view[done:done + take] = self._get(at, at + take)
             done += take
-            i += 1
-        if done < n:
-            view[done:] = self._get(offset + done, offset + n)
 
     def read(self, offset: int, nbytes: int) -> bytes:
         buf = bytearray(nbytes)

@@ -300,12 +300,22 @@ class Store:
 
         The store keeps no reference to what it yields, so memory falls as the caller drops
         each tensor. Aliased tensors come back as the same object while it is alive.
-        ``device``, ``mmap`` and ``verify`` are as for :meth:`load`.
+        ``device``, ``mmap`` and ``verify`` are as for :meth:`load`. Over a URL the next
+        tensors download while the caller uses this one: up to :data:`remote.FETCH_AHEAD` + 1
+        batches of :data:`remote.BATCH_BYTES` are held ahead of the caller.
         """
         included = resolve(select, self._leaf_paths, self._container_paths, self.path)
         alive: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
         fmap = io.FileMap(self._rawfile(), whole=False) if mmap else None  # each tensor unmapped when dropped
         entries = [e for e in self._layout.select(included) if not isinstance(e, Container)]
+        if not self._local:  # batches fetched ahead, not one round trip per tensor
+            for group, filled in self._fetched(entries, self._streamable(device)):
+                for entry in group:
+                    io.streamed(_data_bytes(entry))
+                    value = self._read_leaf(entry, alive, device, fmap, None, verify, filled.pop(entry.path, None))
+                    yield entry.path, value
+                    del value  # not held while the next one is read
+            return
         advised, ahead = 0, 0  # entries[:advised] were handed to the kernel's readahead; bytes beyond now
         sizes: dict[int, int] = {}  # bytes handed to the readahead, by entry, until the entry is read
         for i, entry in enumerate(entries):
@@ -319,9 +329,6 @@ class Store:
                         sizes[advised] = n = sum(n for _, n in ranges)
                         ahead += n
                     advised += 1
-            elif not self._local:
-                with self._fetching([entry.path]):
-                    self._rawfile().prefetch(self._ranges(entry))
             io.streamed(_data_bytes(entry))  # what the caller freed since the last one goes back
             yield entry.path, self._read_leaf(entry, alive, device, fmap, None, verify)
 
@@ -357,18 +364,16 @@ class Store:
         tied = {e.same_as for e in entries if isinstance(e, TensorEntry) and e.same_as is not None}
         alive: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
         kept: dict[str, torch.Tensor] = {}  # tensors that a later key is tied to: one object for both
-        for entry in entries:
-            if isinstance(entry, Container):
-                yield entry
-            else:
-                if not self._local:
-                    with self._fetching([entry.path]):
-                        self._rawfile().prefetch(self._ranges(entry))
-                value = self._read_leaf(entry, alive, None, None, None, verify)
-                if entry.path in tied:
-                    kept[entry.path] = value
-                yield Leaf(entry.path, entry.key, value)
-                del value  # not held while the next leaf is read
+        for group, filled in self._fetched(entries, self._streamable(None)):  # over a URL: batches ahead, as items()
+            for entry in group:
+                if isinstance(entry, Container):
+                    yield entry
+                else:
+                    value = self._read_leaf(entry, alive, None, None, None, verify, filled.pop(entry.path, None))
+                    if entry.path in tied:
+                        kept[entry.path] = value
+                    yield Leaf(entry.path, entry.key, value)
+                    del value  # not held while the next leaf is read
 
     def nbytes_of(self, select: Selector = None) -> int:
         """Bytes of tensor and array data that ``select`` picks (tied tensors counted once)."""
@@ -422,11 +427,7 @@ class Store:
         staged: dict[str, torch.Tensor] = {}
         if callable(device) and not isinstance(device, (str, torch.device)):  # asked once per key
             device = _asked_once(device)
-        direct = None
-        if isinstance(self._rawfile(), remote.RemoteSource):  # large tensors stream into their own memory
-            def direct(e: Any) -> bool:
-                return isinstance(e, TensorEntry) and e.same_as is None and e.nbytes >= remote.DIRECT_BYTES and \
-                    isinstance(self._where(e), Contiguous) and self._target(device, e.path) is None
+        direct = self._streamable(device)
         with self._batched(progress, sum(_data_bytes(e) for e in entries), cold) as (bar, plan):
             if device is not None and self._local and transfer.batched():  # to devices: many tensors per buffer
                 pairs = [(e, transfer.device_empty(e.shape, e.dtype.torch_dtype, d, e.path)) for e in entries
@@ -444,6 +445,18 @@ class Store:
                         if entry.path not in staged:
                             bar.update(_data_bytes(entry))
         return tree.inflate(items)
+
+    def _streamable(self, device: Device) -> Callable[[Any], bool] | None:
+        """For a remote source, which entries :meth:`_fetched` streams into new CPU tensors of
+        their own (contiguous tensors of at least :data:`remote.DIRECT_BYTES` bound for the
+        CPU); None for other sources."""
+        if not isinstance(self._rawfile(), remote.RemoteSource):
+            return None
+
+        def direct(e: Any) -> bool:
+            return isinstance(e, TensorEntry) and e.same_as is None and e.nbytes >= remote.DIRECT_BYTES and \
+                isinstance(self._where(e), Contiguous) and self._target(device, e.path) is None
+        return direct
 
     def _stageable(self, entry: Any, device: Device) -> torch.device | None:
         """The device that ``entry`` goes to through :meth:`_stage_many` (a contiguous dataset of

@@ -309,6 +309,24 @@ def test_latency_costs_a_few_round_trips(served, server) -> None:
     assert selected < 2 * latency + 0.5, selected  # one
 
 
+def test_streaming_over_a_url_fetches_ahead_instead_of_a_round_trip_per_tensor(served, server) -> None:
+    """items() and walk() over a URL: the batches download ahead of the caller, so 8 tensors
+    (one batch) cost about one round trip, not 8; values, aliases and order as saved."""
+    _, objs = served
+    url = server.url("small.h5")
+    with th5.open(url) as s:
+        server.behaviour.latency = 0.2
+        t0 = time.perf_counter()
+        got = dict(s.items())
+        streamed = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        leaves = [x for x in s.walk() if isinstance(x, th5.tree.Leaf)]
+        walked = time.perf_counter() - t0
+    assert_same(got, objs["small"]) and list(got) == list(objs["small"])
+    assert [x.path for x in leaves] == list(objs["small"]) and all(torch.equal(x.value, objs["small"][x.path]) for x in leaves)
+    assert streamed < 3 * 0.2 + 0.3 and walked < 3 * 0.2 + 0.3, (streamed, walked)  # not 8 x 0.2 s
+
+
 def test_file_objects_read_and_write(tmp_path, served) -> None:
     _, objs = served
     buf = stdio.BytesIO()

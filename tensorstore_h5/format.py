@@ -776,11 +776,8 @@ _NUMPY_SIZES = {"b": (1,), "i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "f": (2, 4, 8),
 
 def parse_numpy_dtype(name: Any) -> np.dtype:
     """A numpy dtype of a stored array: bool, integer, float or complex (either byte order)."""
-    try:
-        dt = np.dtype(name) if type(name) is str else None
-    except TypeError as e:
-        raise ValueError(f"invalid numpy dtype {name!r}") from e
-    if dt is None or dt.fields is not None or dt.itemsize not in _NUMPY_SIZES.get(dt.kind, ()):
+    dt = tree.numpy_dtype(name) if type(name) is str else None
+    if dt is None or dt.itemsize not in _NUMPY_SIZES.get(dt.kind, ()):
         raise ValueError(f"unsupported numpy dtype {name!r}")
     return dt
 

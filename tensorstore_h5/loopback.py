@@ -158,6 +158,7 @@ class RangeServer:
 
             def do_POST(self) -> None:  # noqa: N802
                 if not self._control():
+                    self.close_connection = True  # its body is left unread
                     self._answer(b"read only", 405, {}, True)
 
             def do_HEAD(self) -> None:  # noqa: N802

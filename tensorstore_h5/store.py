@@ -439,8 +439,8 @@ class Store:
                     if isinstance(entry, Container):
                         items.append(entry)
                     else:
-                        value = staged.get(entry.path) if entry.path in staged else filled.get(entry.path)
-                        leaf = self._read_leaf(entry, cache, device, fmap, plan, verify, value)
+                        leaf = self._read_leaf(entry, cache, device, fmap, plan, verify,
+                                               staged.get(entry.path, filled.get(entry.path)))
                         items.append(Leaf(entry.path, entry.key, leaf))
                         if entry.path not in staged:
                             bar.update(_data_bytes(entry))

@@ -90,11 +90,11 @@ class Stager:
                   ) -> None:
         """Fill many contiguous tensors (``(dest, fill)`` pairs, ``fill`` as in :meth:`copy`)
         by packing their bytes into the staging buffers in order: a buffer holds the next
-        bytes of one or more tensors, its reads (in pieces of at least
-        :data:`io.SPLIT_MIN_BYTES`, one buffer's worth split over the I/O threads) run on the
-        I/O thread pool together, then its copies to the device go out, so a checkpoint of
-        many small tensors fills whole buffers with all threads reading. ``done(dest)``:
-        called when the last copy into ``dest`` has been issued (not finished)."""
+        bytes of one or more tensors, its reads (each tensor's part in pieces of at most
+        max(:data:`io.SPLIT_MIN_BYTES`, buffer size / :data:`io.IO_THREADS`)) run on the I/O
+        thread pool together, then its copies to the device go out, so a checkpoint of many
+        small tensors fills whole buffers with all threads reading. ``done(dest)``: called
+        when the last copy into ``dest`` has been issued (not finished)."""
         piece = max(io.SPLIT_MIN_BYTES, self.block_bytes // max(1, io.IO_THREADS))
         size = self.block_bytes
         queued: list[tuple[torch.Tensor, torch.Tensor, Fill, int, int, int]] = []  # dest, flat, fill, start, at, n

@@ -142,10 +142,31 @@ def decode_value(data: Any) -> Any:
             if tag == "torch.Size" and type(arg) is list and all(type(n) is int for n in arg):
                 return torch.Size(arg)
         elif set(data) == {"numpy", "value"} and type(data["numpy"]) is str:
-            dt = np.dtype(data["numpy"])
-            if dt.kind in _NP_KINDS:
-                return dt.type(decode_value(data["value"]))
+            dt = numpy_dtype(data["numpy"])
+            if dt is not None:
+                value = decode_value(data["value"])
+                try:
+                    return dt.type(value)
+                except (TypeError, ValueError, OverflowError) as e:
+                    raise ValueError(f"{value!r} does not fit {dt.name} ({e})") from e
     raise ValueError(f"unrecognised value encoding {data!r}")
+
+
+_NUMPY_NAME = re.compile(r"[<>|=]?[biufc](1|2|4|8|16)")
+
+
+def numpy_dtype(name: str) -> np.dtype | None:
+    """The numpy dtype that ``name`` spells as ``dtype.str`` does (``"<f4"``, ``"|b1"``): bool,
+    integer, float or complex of any byte order; None for anything else. Untrusted names never
+    reach numpy's full dtype parser, which evaluates parts of a string (``"f4,,2"`` raised
+    SyntaxError from ``ast.literal_eval``)."""
+    if not _NUMPY_NAME.fullmatch(name):
+        return None
+    try:
+        dt = np.dtype(name)
+    except TypeError:  # "b16" and the like: the letters and sizes that make no type
+        return None
+    return dt if dt.kind in _NP_KINDS else None
 
 
 CONTAINER_TYPES: dict[str, type] = {"dict": dict, "OrderedDict": OrderedDict, "list": list, "tuple": tuple}

@@ -2,12 +2,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tensorstore_h5 import UnsupportedTypeError
+from tensorstore_h5 import UnsupportedTypeError, tree
 from tensorstore_h5.tree import Container, Leaf, decode_value, encode_value, escape, flatten, inflate, unescape
 
 from helpers import assert_same
@@ -87,3 +88,26 @@ def test_value_encoding_round_trip(value: object) -> None:
 def test_decode_rejects_unknown_encodings(data: object) -> None:
     with pytest.raises(ValueError):
         decode_value(data)
+
+
+@pytest.mark.parametrize("name", ["f4,,2", "1" * 5000, "(2,)f4", "i4,f8", "O", "V8", "S4", "<U4", "M8[ns]", "b16", "c32",
+                                  "f4 ", "[('a', 'f4')]", "float32"])
+def test_numpy_names_outside_dtype_str_are_refused_without_numpy_parsing_them(name: str) -> None:
+    """A hostile layout's numpy dtype never reaches numpy's full parser ("f4,,2" raised
+    SyntaxError from ast.literal_eval inside it, found by the fuzzer)."""
+    assert tree.numpy_dtype(name) is None
+    with pytest.raises(ValueError):
+        tree.decode_value({"numpy": name, "value": 1})
+
+
+@pytest.mark.parametrize("value", [np.float32(1.5), np.int8(-3), np.uint64(2**63), np.bool_(True), np.complex128(1 - 2j),
+                                   np.float16(0.25), np.int64(7)])
+def test_numpy_scalars_still_round_trip(value: object) -> None:
+    back = tree.decode_value(tree.encode_value(value, "k"))
+    assert type(back) is type(value) and back == value
+    assert tree.numpy_dtype(value.dtype.str) == value.dtype
+
+
+def test_a_numpy_value_out_of_its_range_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="does not fit int8"):
+        tree.decode_value({"numpy": "<i1", "value": 1000})

@@ -137,8 +137,8 @@ def decode_value(data: Any) -> Any:
                     return complex(re_, im)
             if tag == "bytes" and type(arg) is str:
                 return base64.b64decode(arg, validate=True)
-            if tag == "torch.dtype" and type(arg) is str and isinstance(getattr(torch, arg, None), torch.dtype):
-                return getattr(torch, arg)
+            if tag == "torch.dtype" and type(arg) is str and arg in _TORCH_DTYPES:
+                return _TORCH_DTYPES[arg]
             if tag == "torch.Size" and type(arg) is list and all(type(n) is int for n in arg):
                 return torch.Size(arg)
         elif set(data) == {"numpy", "value"} and type(data["numpy"]) is str:
@@ -151,6 +151,10 @@ def decode_value(data: Any) -> Any:
                     raise ValueError(f"{value!r} does not fit {dt.name} ({e})") from e
     raise ValueError(f"unrecognised value encoding {data!r}")
 
+
+_TORCH_DTYPES = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
+"""torch's dtypes by attribute name: a stored name is looked up here, never with getattr on
+the torch module (whose lazy attributes import submodules)."""
 
 _NUMPY_NAME = re.compile(r"[<>|=]?[biufc](1|2|4|8|16)")
 

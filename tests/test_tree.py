@@ -111,3 +111,15 @@ def test_numpy_scalars_still_round_trip(value: object) -> None:
 def test_a_numpy_value_out_of_its_range_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="does not fit int8"):
         tree.decode_value({"numpy": "<i1", "value": 1000})
+
+
+def test_a_stored_torch_dtype_name_is_looked_up_not_fetched_from_torch(monkeypatch) -> None:
+    """Only torch's own dtype names decode: another attribute of the torch module (whose lazy
+    attributes import submodules) is refused without being touched."""
+    assert tree.decode_value({"torch.dtype": "bfloat16"}) is torch.bfloat16
+    touched = []
+    monkeypatch.setattr(torch, "__getattr__", lambda name: touched.append(name), raising=False)
+    for name in ("_dynamo", "onnx", "no_such_thing", "Tensor"):
+        with pytest.raises(ValueError):
+            tree.decode_value({"torch.dtype": name})
+    assert touched == []

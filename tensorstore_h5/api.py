@@ -201,6 +201,10 @@ def load_into(
             that overlap. No target has changed. Messages name a few keys, then how many more.
         KeyNotFoundError: an exact key in ``select`` is not in the file.
         FormatError: the file is not readable as a checkpoint (nothing changed).
+        RemoteError: over a URL, a request failed for good (after ``remote.RETRIES``); the
+            file's checks come first, but the batches fetched before the failure have been
+            written to their targets (holding every batch back would need memory for all of
+            them). The message names the failed batch's keys.
     """
     if device is not None and not assign:
         raise ValueError("device= says where assign=True puts new tensors; without assign, targets keep their memory")

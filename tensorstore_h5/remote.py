@@ -237,15 +237,20 @@ class RemoteSource:
 
     async def _http_tail(self) -> bytes | None:
         """``Range: bytes=-TAIL_BYTES`` over fsspec's session; None unless answered 206."""
-        fs = self._fs
-        kw = dict(fs.kwargs)
-        headers = dict(kw.pop("headers", None) or {})
-        headers["Range"] = f"bytes=-{TAIL_BYTES}"
-        session = await fs.set_session()
-        async with session.get(fs.encode_url(self._key), headers=headers, **kw) as r:
+        async with await self._http_get(f"bytes=-{TAIL_BYTES}") as r:
             if r.status != 206:
                 return None  # leaving the block unread closes the connection: no whole object downloaded
             return await r.read()
+
+    async def _http_get(self, byte_range: str) -> Any:
+        """The response (an async context manager) of a GET of the object with ``Range:
+        byte_range``, on fsspec's session, with the file system's own request options."""
+        fs = self._fs
+        kw = dict(fs.kwargs)
+        headers = dict(kw.pop("headers", None) or {})
+        headers["Range"] = byte_range
+        session = await fs.set_session()
+        return session.get(fs.encode_url(self._key), headers=headers, **kw)
 
     def _get(self, start: int, end: int, allow_short: bool = False) -> bytes:
         data = self._call(f"bytes {start}..{end}", lambda: self._fs.cat_file(self._key, start=start, end=end))
@@ -349,14 +354,10 @@ class RemoteSource:
 
     async def _stream_into(self, start: int, view: memoryview) -> None:
         """One range GET whose body is copied, as it arrives, into ``view``."""
-        fs, end = self._fs, start + len(view)
-        kw = dict(fs.kwargs)
-        headers = dict(kw.pop("headers", None) or {})
-        headers["Range"] = f"bytes={start}-{end - 1}"
-        session = await fs.set_session()
+        end = start + len(view)
         got = 0
-        async with session.get(fs.encode_url(self._key), headers=headers, **kw) as r:
-            fs._raise_not_found_for_status(r, self._key)
+        async with await self._http_get(f"bytes={start}-{end - 1}") as r:
+            self._fs._raise_not_found_for_status(r, self._key)
             if r.status != 206 and not (start == 0 and end == self.size):  # the whole object instead of the range
                 raise RemoteError(f"{self.path}: the server ignored the byte range for bytes {start}..{end} "
                                   f"(status {r.status}); tensorstore_h5 needs HTTP range requests")

@@ -309,6 +309,7 @@ class Store:
         fmap = io.FileMap(self._rawfile(), whole=False) if mmap else None  # each tensor unmapped when dropped
         entries = [e for e in self._layout.select(included) if not isinstance(e, Container)]
         if not self._local:  # batches fetched ahead, not one round trip per tensor
+            device = _asked_once(device)
             for group, filled in self._fetched(entries, self._streamable(device)):
                 for entry in group:
                     io.streamed(_data_bytes(entry))
@@ -319,7 +320,7 @@ class Store:
         advised, ahead = 0, 0  # entries[:advised] were handed to the kernel's readahead; bytes beyond now
         sizes: dict[int, int] = {}  # bytes handed to the readahead, by entry, until the entry is read
         for i, entry in enumerate(entries):
-            if self._local and fmap is None and io.READAHEAD_BYTES:  # the disk reads the next tensors while this one is used
+            if fmap is None and io.READAHEAD_BYTES:  # the disk reads the next tensors while this one is used
                 ahead -= sizes.pop(i, 0)
                 advised = max(advised, i)
                 while advised < len(entries) and ahead < io.READAHEAD_BYTES:
@@ -425,8 +426,7 @@ class Store:
             elif io.READAHEAD_BYTES:  # from a cold cache the kernel reads ahead of the I/O threads
                 self._rawfile().willneed(ranges)
         staged: dict[str, torch.Tensor] = {}
-        if callable(device) and not isinstance(device, (str, torch.device)):  # asked once per key
-            device = _asked_once(device)
+        device = _asked_once(device)
         direct = self._streamable(device)
         with self._batched(progress, sum(_data_bytes(e) for e in entries), cold) as (bar, plan):
             if device is not None and self._local and transfer.batched():  # to devices: many tensors per buffer
@@ -1087,8 +1087,11 @@ def _data_bytes(entry: Any) -> int:
     return 0
 
 
-def _asked_once(device: Callable[[str], Any]) -> Callable[[str], Any]:
-    """``device``, called at most once per key path (a load looks a key's device up twice)."""
+def _asked_once(device: Device) -> Device:
+    """``device``, a callable called at most once per key path (a load looks a key's device up
+    twice); any other ``device`` as it is."""
+    if not callable(device) or isinstance(device, (str, torch.device)):
+        return device
     chosen: dict[str, Any] = {}
 
     def ask(path: str) -> Any:

@@ -325,6 +325,11 @@ def test_streaming_over_a_url_fetches_ahead_instead_of_a_round_trip_per_tensor(s
     assert_same(got, objs["small"]) and list(got) == list(objs["small"])
     assert [x.path for x in leaves] == list(objs["small"]) and all(torch.equal(x.value, objs["small"][x.path]) for x in leaves)
     assert streamed < 3 * 0.2 + 0.3 and walked < 3 * 0.2 + 0.3, (streamed, walked)  # not 8 x 0.2 s
+    asked: list[str] = []
+    with th5.open(server.url("big.h5")) as s:  # 2 MiB tensors: streamed, whose device is looked up first
+        server.behaviour.latency = 0
+        out = dict(s.items(select="layers.[0-3].*", device=lambda k: asked.append(k) or "cpu"))
+    assert sorted(asked) == sorted(out) and len(out) == 4  # a device= callable is asked once per key
 
 
 def test_file_objects_read_and_write(tmp_path, served) -> None:

@@ -7,8 +7,9 @@ the CPU test suite covers its block boundaries, ordering and buffer reuse.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -61,30 +62,17 @@ class Stager:
 
         ``align``: blocks start at multiples of it where a buffer holds at least one such
         unit (compressed data passes its chunk size, so no chunk is decoded twice).
+        Raises TensorStoreError naming ``key`` when the device runs out of memory.
         """
         flat = dest.reshape(-1).view(torch.uint8) if dest.numel() else None
         if flat is None:
             return
-        try:
+        with self._oom(f"key {key!r}"):
             for i, (start, n) in enumerate(self.iter_blocks(flat.numel(), align)):
-                slot = i % len(self._bufs)
-                if self._events[slot] is not None:
-                    self._events[slot].synchronize()  # the copy out of this buffer is done
-                buf = self._bufs[slot][:n]
+                buf = self._acquire(i % len(self._bufs))[:n]
                 fill(start, buf)
-                self.uses[slot] += 1
-                if self._stream is None:
-                    flat[start:start + n].copy_(buf)
-                    continue
-                with torch.cuda.stream(self._stream):
-                    flat[start:start + n].copy_(buf, non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(self._stream)
-                self._events[slot] = event
-            if self._stream is not None:
-                torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        except torch.cuda.OutOfMemoryError as e:  # pragma: no cover - needs a GPU
-            raise TensorStoreError(f"out of device memory while loading key {key!r} to {self.device}") from e
+                self._send(i % len(self._bufs), [(flat[start:start + n], buf)])
+            self._join()
 
     def copy_many(self, parts: Iterable[tuple[torch.Tensor, Fill]], done: Callable[[torch.Tensor], None] | None = None
                   ) -> None:
@@ -94,39 +82,30 @@ class Stager:
         max(:data:`io.SPLIT_MIN_BYTES`, buffer size / :data:`io.IO_THREADS`)) run on the I/O
         thread pool together, then its copies to the device go out, so a checkpoint of many
         small tensors fills whole buffers with all threads reading. ``done(dest)``: called
-        when the last copy into ``dest`` has been issued (not finished)."""
+        when the last copy into ``dest`` has been issued (not finished). Raises
+        TensorStoreError when the device runs out of memory."""
         piece = max(io.SPLIT_MIN_BYTES, self.block_bytes // max(1, io.IO_THREADS))
         size = self.block_bytes
         queued: list[tuple[torch.Tensor, torch.Tensor, Fill, int, int, int]] = []  # dest, flat, fill, start, at, n
         used = 0
-        slot = 0
+        blocks = 0
 
         def flush() -> None:
-            nonlocal queued, used, slot
+            nonlocal queued, used, blocks
             if not queued:
                 return
-            if self._events[slot] is not None:
-                self._events[slot].synchronize()  # the copies out of this buffer are done
-            buf = self._bufs[slot]
-            jobs = [functools.partial(fill, start + a, buf[at + a:at + min(n, a + piece)])
-                    for _, _, fill, start, at, n in queued for a in range(0, n, piece)]
-            io.run_jobs(jobs)
-            self.uses[slot] += 1
-            for dest, flat, _, start, at, n in queued:
-                if self._stream is None:
-                    flat[start:start + n].copy_(buf[at:at + n])
-                else:
-                    with torch.cuda.stream(self._stream):
-                        flat[start:start + n].copy_(buf[at:at + n], non_blocking=True)
-                if done is not None and start + n == flat.numel():
-                    done(dest)
-            if self._stream is not None:
-                event = torch.cuda.Event()
-                event.record(self._stream)
-                self._events[slot] = event
-            queued, used, slot = [], 0, (slot + 1) % len(self._bufs)
+            slot = blocks % len(self._bufs)
+            buf = self._acquire(slot)
+            io.run_jobs([functools.partial(fill, start + a, buf[at + a:at + min(n, a + piece)])
+                         for _, _, fill, start, at, n in queued for a in range(0, n, piece)])
+            self._send(slot, [(flat[start:start + n], buf[at:at + n]) for _, flat, _, start, at, n in queued])
+            if done is not None:
+                for dest, flat, _, start, _, n in queued:
+                    if start + n == flat.numel():
+                        done(dest)
+            queued, used, blocks = [], 0, blocks + 1
 
-        try:
+        with self._oom("a batch of keys"):
             for dest, fill in parts:
                 flat = dest.reshape(-1).view(torch.uint8) if dest.numel() else None
                 if flat is None:
@@ -140,10 +119,40 @@ class Stager:
                     if used == size:
                         flush()
             flush()
-            if self._stream is not None:
-                torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            self._join()
+
+    def _acquire(self, slot: int) -> torch.Tensor:
+        """Staging buffer ``slot``, once the copies out of its previous use are done."""
+        if self._events[slot] is not None:
+            self._events[slot].synchronize()
+        self.uses[slot] += 1
+        return self._bufs[slot]
+
+    def _send(self, slot: int, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Issue the ``(destination, staged bytes)`` copies out of buffer ``slot``: on the side
+        stream, with an event guarding the buffer's reuse (CUDA), or at once (CPU)."""
+        if self._stream is None:
+            for dst, src in copies:
+                dst.copy_(src)
+            return
+        with torch.cuda.stream(self._stream):
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._events[slot] = event
+
+    def _join(self) -> None:
+        """Make the caller's current stream wait for every copy issued so far."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
+    @contextlib.contextmanager
+    def _oom(self, what: str) -> Iterator[None]:
+        try:
+            yield
         except torch.cuda.OutOfMemoryError as e:  # pragma: no cover - needs a GPU
-            raise TensorStoreError(f"out of device memory while loading to {self.device}") from e
+            raise TensorStoreError(f"out of device memory while loading {what} to {self.device}") from e
 
     def block_size(self, align: int = 1) -> int:
         """Bytes per block: the largest multiple of ``align`` that fits a buffer (the buffer

@@ -815,3 +815,26 @@ def test_load_without_a_target_state_dict(tmp_path) -> None:
     assert_same(_load_state_dict_from_keys(storage_reader=H5StorageReader(tmp_path)), sd)
     assert_same(_load_state_dict_from_keys({"model.w"}, storage_reader=H5StorageReader(tmp_path)),
                 {"model": {"w": sd["model"]["w"]}})
+
+
+def test_cuda_tensors_save_and_load_through_dcp(tmp_path, device) -> None:
+    """State on ``device`` (CPU, and CUDA where present) saves, loads back into tensors on that
+    device (contiguous, a transposed view, another dtype), and the directory view loads it there."""
+    g = torch.Generator().manual_seed(5)
+    sd = {"w": torch.randn(64, 33, generator=g).to(device), "b": torch.randn(7, generator=g).to(torch.bfloat16).to(device),
+          "step": 3}
+    path = tmp_path / "ckpt"
+    dcp.save(sd, storage_writer=H5StorageWriter(path, sync_files=False))
+    target = {"w": torch.zeros(33, 64, device=device).t(), "b": torch.zeros(7, dtype=torch.float32, device=device),
+              "step": 0}
+    dcp.load(target, storage_reader=H5StorageReader(path, verify=True))
+    assert target["w"].device == device and target["w"].stride() == (1, 64)
+    assert torch.equal(target["w"].cpu(), sd["w"].cpu())
+    assert torch.equal(target["b"].cpu(), sd["b"].float().cpu()) and target["step"] == 3
+    with ShardedStore(path) as s:
+        got = s.load(device=device)
+        part = s["w"][10:20, 3:9]
+        out = torch.empty(10, 6, device=device)
+        s["w"].read(out=out, index=(slice(10, 20), slice(3, 9)))
+    assert got["w"].device == device and torch.equal(got["w"].cpu(), sd["w"].cpu())
+    assert torch.equal(part, sd["w"][10:20, 3:9].cpu()) and torch.equal(out.cpu(), part)

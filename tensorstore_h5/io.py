@@ -36,7 +36,7 @@ from .slicing import Selection, has_gaps, rows, stride_span
 __all__ = [
     "BLOCK_BYTES", "WRITE_CALL_BYTES", "IO_THREADS", "COLD_IO_THREADS", "PIECE_BYTES", "MAP_MIN_BYTES", "HUGEPAGES",
     "HUGEPAGE_MIN_BYTES", "GATHER_WINDOW", "tensor_bytes", "tensor_buffer", "pwrite_all", "empty", "read_hdf5",
-    "write_hdf5", "write_tensor", "row_blocks", "restore_layout", "gather", "RawFile", "FileMap", "ReadPlan", "run_jobs",
+    "write_hdf5", "write_tensor", "row_blocks", "restore_layout", "gather", "RawFile", "FileMap", "ReadPlan", "run_jobs", "submit_jobs", "wait_all",
     "SPLIT_MIN_BYTES", "pread_split", "gc_paused",
 ]
 
@@ -443,6 +443,30 @@ def run_jobs(jobs: list[Callable[[], None]]) -> None:
             job()
         return
     _finish(jobs[-1], [_executor().submit(job) for job in jobs[:-1]])
+
+
+def submit_jobs(jobs: list[Callable[[], None]]) -> list[Future[None]]:
+    """Start independent jobs on the I/O thread pool and return their futures (for
+    :func:`wait_all`); with :data:`IO_THREADS` 1 they run here, now, and errors are kept in
+    the futures as a pool would."""
+    if IO_THREADS == 1:
+        futures: list[Future[None]] = []
+        for job in jobs:
+            f: Future[None] = Future()
+            try:
+                job()
+                f.set_result(None)
+            except BaseException as e:  # noqa: BLE001 - handed over in the future, as the pool does
+                f.set_exception(e)
+            futures.append(f)
+        return futures
+    pool = _executor()
+    return [pool.submit(job) for job in jobs]
+
+
+def wait_all(futures: list[Future[None]]) -> None:
+    """Wait for every future; raise the first error once all have ended."""
+    _finish(lambda: None, futures)
 
 
 SPLIT_MIN_BYTES = 2**20

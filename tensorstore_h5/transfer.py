@@ -7,8 +7,10 @@ the CPU test suite covers its block boundaries, ordering and buffer reuse.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+from concurrent.futures import Future
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -20,7 +22,11 @@ from .errors import TensorStoreError
 __all__ = ["STAGING_BUFFERS", "STAGING_BYTES", "GDS", "Fill", "Stager", "batched", "device_empty", "gds_read"]
 
 STAGING_BUFFERS = 2
-"""Number of host staging buffers."""
+"""Number of host staging buffers (made on first use). With many tensors packed per buffer,
+all of them are being read at once but the one whose copy to the device goes out
+(:meth:`Stager.copy_many`). On an H200 host, repeated 2 GB loads in one process took 82 ms
+with 2 x 64 MiB, 82 ms with 4 x 64 MiB, 101 ms with 4 x 32 MiB and 131-147 ms with 8 x 16 MiB
+(bench/results-gpu.txt): fewer, larger buffers cost less per byte."""
 
 STAGING_BYTES = 64 * 2**20
 """Size in bytes of each staging buffer."""
@@ -49,8 +55,7 @@ class Stager:
         buffers = STAGING_BUFFERS if buffers is None else buffers
         buffer_bytes = STAGING_BYTES if buffer_bytes is None else buffer_bytes
         cuda = self.device.type == "cuda"
-        self._bufs = [torch.empty(buffer_bytes, dtype=torch.uint8, device="cpu", pin_memory=cuda)
-                      for _ in range(max(1, buffers))]
+        self._bufs: list[torch.Tensor | None] = [None] * max(1, buffers)  # made by _acquire, on first use
         self._events: list[Any] = [None] * len(self._bufs)
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         self.block_bytes = buffer_bytes
@@ -78,55 +83,82 @@ class Stager:
                   ) -> None:
         """Fill many contiguous tensors (``(dest, fill)`` pairs, ``fill`` as in :meth:`copy`)
         by packing their bytes into the staging buffers in order: a buffer holds the next
-        bytes of one or more tensors, its reads (each tensor's part in pieces of at most
-        max(:data:`io.SPLIT_MIN_BYTES`, buffer size / :data:`io.IO_THREADS`)) run on the I/O
-        thread pool together, then its copies to the device go out, so a checkpoint of many
-        small tensors fills whole buffers with all threads reading. ``done(dest)``: called
-        when the last copy into ``dest`` has been issued (not finished). Raises
+        bytes of one or more tensors, read on the I/O thread pool (each tensor's part in
+        pieces of at most max(:data:`io.SPLIT_MIN_BYTES`, buffer size / :data:`io.IO_THREADS`)).
+
+        The reads of every buffer but one are in flight at once: when all buffers are busy,
+        the oldest one's reads are waited for, its copies to the device go out, and once
+        those are done it takes the next bytes. So the threads never wait at a per-buffer
+        barrier, and a checkpoint of many small tensors fills whole buffers with all threads
+        reading. ``done(dest)``: called when the last copy into ``dest`` has been issued (not
+        finished). Raises what a ``fill`` raises (once every read in flight has ended), or
         TensorStoreError when the device runs out of memory."""
         piece = max(io.SPLIT_MIN_BYTES, self.block_bytes // max(1, io.IO_THREADS))
         size = self.block_bytes
         queued: list[tuple[torch.Tensor, torch.Tensor, Fill, int, int, int]] = []  # dest, flat, fill, start, at, n
+        inflight: collections.deque[tuple[int, list[Future[None]], list[Any]]] = collections.deque()
         used = 0
         blocks = 0
+
+        def complete_oldest() -> None:
+            slot, futures, filled = inflight.popleft()
+            io.wait_all(futures)
+            self._send(slot, [(flat[start:start + n], self._bufs[slot][at:at + n]) for _, flat, _, start, at, n in filled])
+            if done is not None:
+                for dest, flat, _, start, _, n in filled:
+                    if start + n == flat.numel():
+                        done(dest)
 
         def flush() -> None:
             nonlocal queued, used, blocks
             if not queued:
                 return
             slot = blocks % len(self._bufs)
+            if len(inflight) == len(self._bufs):
+                complete_oldest()  # the reads into this slot's previous bytes
             buf = self._acquire(slot)
-            io.run_jobs([functools.partial(fill, start + a, buf[at + a:at + min(n, a + piece)])
-                         for _, _, fill, start, at, n in queued for a in range(0, n, piece)])
-            self._send(slot, [(flat[start:start + n], buf[at:at + n]) for _, flat, _, start, at, n in queued])
-            if done is not None:
-                for dest, flat, _, start, _, n in queued:
-                    if start + n == flat.numel():
-                        done(dest)
+            jobs = [functools.partial(fill, start + a, buf[at + a:at + min(n, a + piece)])
+                    for _, _, fill, start, at, n in queued for a in range(0, n, piece)]
+            inflight.append((slot, io.submit_jobs(jobs), queued))
             queued, used, blocks = [], 0, blocks + 1
 
         with self._oom("a batch of keys"):
-            for dest, fill in parts:
-                flat = dest.reshape(-1).view(torch.uint8) if dest.numel() else None
-                if flat is None:
-                    continue
-                start, total = 0, flat.numel()
-                while start < total:
-                    n = min(total - start, size - used)
-                    queued.append((dest, flat, fill, start, used, n))
-                    start += n
-                    used += n
-                    if used == size:
-                        flush()
-            flush()
+            try:
+                for dest, fill in parts:
+                    flat = dest.reshape(-1).view(torch.uint8) if dest.numel() else None
+                    if flat is None:
+                        continue
+                    start, total = 0, flat.numel()
+                    while start < total:
+                        n = min(total - start, size - used)
+                        queued.append((dest, flat, fill, start, used, n))
+                        start += n
+                        used += n
+                        if used == size:
+                            flush()
+                flush()
+                while inflight:
+                    complete_oldest()
+            except BaseException:
+                for _, futures, _ in inflight:  # no read into a staging buffer outlives the call
+                    for f in futures:
+                        f.cancel()
+                    for f in futures:
+                        if not f.cancelled():
+                            f.exception()
+                raise
             self._join()
 
     def _acquire(self, slot: int) -> torch.Tensor:
         """Staging buffer ``slot``, once the copies out of its previous use are done."""
         if self._events[slot] is not None:
             self._events[slot].synchronize()
+        buf = self._bufs[slot]
+        if buf is None:  # made on first use: pinning memory is slow (~65 ms for 128 MiB on an H200 host)
+            buf = self._bufs[slot] = torch.empty(self.block_bytes, dtype=torch.uint8, device="cpu",
+                                                 pin_memory=self.device.type == "cuda")
         self.uses[slot] += 1
-        return self._bufs[slot]
+        return buf
 
     def _send(self, slot: int, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Issue the ``(destination, staged bytes)`` copies out of buffer ``slot``: on the side

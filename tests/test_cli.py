@@ -95,7 +95,7 @@ def test_bench_ratios_use_the_better_fresh_memory_limit() -> None:
     lines.clear()
     bench._ratios(rows, lines.append)
     assert any(line.split()[-2:] == ["0.62", "1.25"] for line in lines if line.strip().startswith("load (default)"))
-    gpu = [row("G.L.file read into pinned memory, 2 threads", 0.5), row("G.L.pinned host-to-device copy", 0.2),
+    gpu = [row("G.L.file read into pinned memory, I/O threads", 0.5), row("G.L.pinned host-to-device copy", 0.2),
            row("G.tensorstore_h5 load(device=cuda)", 0.625)]
     gpu[1]["median_s"] = 2.0  # the slower stage bounds each statistic on its own: best 0.5 s, median 2.0 s
     lines.clear()

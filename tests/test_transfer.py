@@ -121,11 +121,11 @@ def test_copy_many_packs_tensors_into_the_buffers_in_order(monkeypatch) -> None:
     srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
     dests = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
     stager = Stager("cpu", buffers=2, buffer_bytes=1000)
-    bufs = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in stager._bufs]
     fills, threads, done = [], set(), []
 
     def fill_of(src):
         def fill(offset: int, buf: torch.Tensor) -> None:
+            bufs = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in stager._bufs if b is not None]
             assert any(lo <= buf.data_ptr() and buf.data_ptr() + buf.numel() <= hi for lo, hi in bufs)
             fills.append((id(src), offset, buf.numel()))
             threads.add(threading.current_thread().name)
@@ -139,6 +139,59 @@ def test_copy_many_packs_tensors_into_the_buffers_in_order(monkeypatch) -> None:
         pieces = sorted((o, n) for i, o, n in fills if i == id(s))
         assert sum(n for _, n in pieces) == s.numel() and all(a[0] + a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
     assert sum(stager.uses) == -(-sum(sizes) // 1000) and len(threads) > 1  # full buffers, filled by several threads
+
+
+def test_copy_many_keeps_several_buffers_in_flight(monkeypatch) -> None:
+    """The reads of the next buffers run while one buffer's read is still going (no barrier
+    per buffer): here the first buffer's fill waits until the second buffer's has started."""
+    monkeypatch.setattr(store_mod.io, "IO_THREADS", 4)
+    second_started = threading.Event()
+    srcs = [torch.full((1000,), i, dtype=torch.uint8) for i in range(6)]
+    dests = [torch.zeros(1000, dtype=torch.uint8) for _ in srcs]
+
+    def fill_of(i):
+        def fill(offset: int, buf: torch.Tensor) -> None:
+            if i == 1:
+                second_started.set()
+            if i == 0:
+                assert second_started.wait(10), "the second buffer's read did not start while the first one's ran"
+            buf.copy_(srcs[i][offset:offset + buf.numel()])
+        return fill
+
+    Stager("cpu", buffers=3, buffer_bytes=1000).copy_many([(d, fill_of(i)) for i, d in enumerate(dests)])
+    assert all(torch.equal(d, s) for d, s in zip(dests, srcs))
+
+
+def test_copy_many_error_waits_for_every_read_in_flight(monkeypatch) -> None:
+    """A failing fill raises out of copy_many only once no other read into the staging
+    buffers is still running, and the tensors of later buffers are not written after it."""
+    monkeypatch.setattr(store_mod.io, "IO_THREADS", 4)
+    running, ended = [0], []
+    lock = threading.Lock()
+
+    def fill_of(i):
+        def fill(offset: int, buf: torch.Tensor) -> None:
+            with lock:
+                running[0] += 1
+            try:
+                if i == 1:
+                    raise OSError("disk gone")
+                time.sleep(0.05)
+                buf.fill_(i)
+            finally:
+                with lock:
+                    running[0] -= 1
+                    ended.append(i)
+        return fill
+
+    dests = [torch.zeros(1000, dtype=torch.uint8) for _ in range(8)]
+    with pytest.raises(OSError, match="disk gone"):
+        Stager("cpu", buffers=3, buffer_bytes=1000).copy_many([(d, fill_of(i)) for i, d in enumerate(dests)])
+    assert running[0] == 0
+    n = len(ended)
+    time.sleep(0.2)
+    assert len(ended) == n  # nothing still running or queued
+    assert all(not d.any() for d in dests[1:])  # no buffer after the failed one was copied out
 
 
 def test_device_loads_fill_many_tensors_per_buffer(tmp_path, device_cpu) -> None:

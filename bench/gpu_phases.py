@@ -1,0 +1,87 @@
+"""Where the time of load(device="cuda") goes, on a GPU machine: first and repeated calls,
+load_into, staging sizes, and a profile. Prints figures only; python bench/gpu_phases.py [GB]."""
+from __future__ import annotations
+
+import cProfile
+import os
+import pstats
+import subprocess
+import sys
+import time
+
+import torch
+
+PATH = "/tmp/gpu_phases.h5"
+
+
+def timed(f):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    r = f()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, r
+
+
+def child(what: str) -> None:
+    import tensorstore_h5 as th5
+    from tensorstore_h5 import io, transfer
+
+    th5._import_all()
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    n = os.path.getsize(PATH)
+    if what == "alloc":
+        s, _ = timed(lambda: [torch.empty(32 << 20, dtype=torch.uint8, pin_memory=True) for _ in range(4)])
+        print(f"  first pinned 4 x 32 MiB: {s * 1e3:.1f} ms")
+        with th5.open(PATH) as st:
+            shapes = [(st[k].shape, st[k].dtype) for k in st.keys()]
+        s, _ = timed(lambda: [torch.empty(sh, dtype=dt, device="cuda") for sh, dt in shapes])
+        print(f"  first cuda empty of every tensor: {s * 1e3:.1f} ms")
+        return
+    if what.startswith("load"):
+        if ":" in what:
+            nb, sz = what.split(":")[1].split("x")
+            transfer.STAGING_BUFFERS, transfer.STAGING_BYTES = int(nb), int(sz) << 20
+        for i in range(4):
+            s, _ = timed(lambda: th5.load(PATH, device="cuda"))
+            print(f"  {what} call {i}: {s * 1e3:.1f} ms  {n / s / 1e9:.2f} GB/s")
+        prof = cProfile.Profile()
+        prof.enable()
+        timed(lambda: th5.load(PATH, device="cuda"))
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(6)
+        return
+    if what == "into":
+        tgt = th5.load(PATH, device="cuda")
+        for i in range(3):
+            s, _ = timed(lambda: th5.load_into(tgt, PATH))
+            print(f"  load_into call {i}: {s * 1e3:.1f} ms  {n / s / 1e9:.2f} GB/s")
+        return
+    if what == "threads":
+        for t in (2, 4, 8, 16):
+            io.IO_THREADS = t
+            s, _ = timed(lambda: th5.load(PATH, device="cuda"))
+            print(f"  IO_THREADS={t}: {s * 1e3:.1f} ms  {n / s / 1e9:.2f} GB/s")
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "child":
+        child(sys.argv[2])
+        return
+    gb = float(sys.argv[1]) if len(sys.argv) > 1 else 2.0
+    import tensorstore_h5 as th5
+
+    per = int(gb * 1e9 / 300 / 4)
+    g = torch.Generator().manual_seed(0)
+    sd = {f"layer{i}.w": torch.randn(per, generator=g) for i in range(300)}
+    th5.save(sd, PATH)
+    del sd
+    print(f"file {os.path.getsize(PATH) / 1e9:.2f} GB, {os.cpu_count()} cores")
+    for what in ("alloc", "load", "load:2x64", "load:3x64", "load:4x64", "load:8x16", "into", "threads"):
+        print(what)
+        r = subprocess.run([sys.executable, __file__, "child", what], capture_output=True, text=True, timeout=200)
+        print(r.stdout[-4000:], r.stderr[-1500:])
+
+
+if __name__ == "__main__":
+    main()

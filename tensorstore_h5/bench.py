@@ -1032,6 +1032,9 @@ def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None
                 not_before = last_exit + settle if CONTENDERS[name][0] in SETTLED_GROUPS else 0.0
                 results[name].append(_run_worker(name, ctx, not_before, settle, profile))
                 last_exit = time.time()
+                if bar is None and "seconds" in results[name][-1]:  # a log: a run cut short still shows its figures
+                    print(f"tensorstore-h5 bench: round {r + 1}: {name}: {results[name][-1]['seconds'] * 1e3:.1f} ms",
+                          file=sys.stderr)
                 if CONTENDERS[name][0] == "replace":  # only these read them: give the page cache back
                     for leftover in ("raw-replaced.bin", "replaced.h5", "replaced.pt"):
                         _fresh(ctx.path(leftover))

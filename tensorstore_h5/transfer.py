@@ -10,8 +10,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-from concurrent.futures import Future
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -72,12 +72,11 @@ class Stager:
         flat = dest.reshape(-1).view(torch.uint8) if dest.numel() else None
         if flat is None:
             return
-        with self._oom(f"key {key!r}"):
+        with self._oom(f"key {key!r}"), self._joined():
             for i, (start, n) in enumerate(self.iter_blocks(flat.numel(), align)):
                 buf = self._acquire(i % len(self._bufs))[:n]
                 fill(start, buf)
                 self._send(i % len(self._bufs), [(flat[start:start + n], buf)])
-            self._join()
 
     def copy_many(self, parts: Iterable[tuple[torch.Tensor, Fill]], done: Callable[[torch.Tensor], None] | None = None
                   ) -> None:
@@ -96,14 +95,14 @@ class Stager:
         piece = max(io.SPLIT_MIN_BYTES, self.block_bytes // max(1, io.IO_THREADS))
         size = self.block_bytes
         queued: list[tuple[torch.Tensor, torch.Tensor, Fill, int, int, int]] = []  # dest, flat, fill, start, at, n
-        inflight: collections.deque[tuple[int, list[Future[None]], list[Any]]] = collections.deque()
+        inflight: collections.deque[tuple[int, torch.Tensor, list[Future[None]], list[Any]]] = collections.deque()
         used = 0
         blocks = 0
 
         def complete_oldest() -> None:
-            slot, futures, filled = inflight.popleft()
+            slot, buf, futures, filled = inflight.popleft()
             io.wait_all(futures)
-            self._send(slot, [(flat[start:start + n], self._bufs[slot][at:at + n]) for _, flat, _, start, at, n in filled])
+            self._send(slot, [(flat[start:start + n], buf[at:at + n]) for _, flat, _, start, at, n in filled])
             if done is not None:
                 for dest, flat, _, start, _, n in filled:
                     if start + n == flat.numel():
@@ -119,10 +118,10 @@ class Stager:
             buf = self._acquire(slot)
             jobs = [functools.partial(fill, start + a, buf[at + a:at + min(n, a + piece)])
                     for _, _, fill, start, at, n in queued for a in range(0, n, piece)]
-            inflight.append((slot, io.submit_jobs(jobs), queued))
+            inflight.append((slot, buf, io.submit_jobs(jobs), queued))
             queued, used, blocks = [], 0, blocks + 1
 
-        with self._oom("a batch of keys"):
+        with self._oom("a batch of keys"), self._joined():
             try:
                 for dest, fill in parts:
                     flat = dest.reshape(-1).view(torch.uint8) if dest.numel() else None
@@ -140,14 +139,13 @@ class Stager:
                 while inflight:
                     complete_oldest()
             except BaseException:
-                for _, futures, _ in inflight:  # no read into a staging buffer outlives the call
+                for _, _, futures, _ in inflight:  # no read into a staging buffer outlives the call
                     for f in futures:
                         f.cancel()
                     for f in futures:
                         if not f.cancelled():
                             f.exception()
                 raise
-            self._join()
 
     def _acquire(self, slot: int) -> torch.Tensor:
         """Staging buffer ``slot``, once the copies out of its previous use are done."""
@@ -174,10 +172,16 @@ class Stager:
             event.record(self._stream)
         self._events[slot] = event
 
-    def _join(self) -> None:
-        """Make the caller's current stream wait for every copy issued so far."""
-        if self._stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+    @contextlib.contextmanager
+    def _joined(self) -> Iterator[None]:
+        """At the end of the block, also when it raises, the caller's current stream waits for
+        every copy issued on the side stream: memory the caller frees afterwards (a failed
+        load's tensors) is not reused while a copy into it is still running."""
+        try:
+            yield
+        finally:
+            if self._stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
     @contextlib.contextmanager
     def _oom(self, what: str) -> Iterator[None]:

@@ -141,6 +141,24 @@ def test_copy_many_packs_tensors_into_the_buffers_in_order(monkeypatch) -> None:
     assert sum(stager.uses) == -(-sum(sizes) // 1000) and len(threads) > 1  # full buffers, filled by several threads
 
 
+def test_staging_buffers_are_only_as_large_as_the_staged_bytes() -> None:
+    """A few small tensors pin a small buffer, not the full staging size; a later, larger
+    load through the same stager grows it up to the buffer size, never past it."""
+    stager = Stager("cpu", buffers=2, buffer_bytes=8 * 2**20)
+    small = [torch.zeros(1000, dtype=torch.uint8) for _ in range(3)]
+    stager.copy_many([(d, lambda off, buf: buf.fill_(7)) for d in small])
+    assert all(bool((d == 7).all()) for d in small)
+    assert [b.numel() if b is not None else None for b in stager._bufs] == [2**20, None]
+    src = torch.randint(0, 256, (20 * 2**20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    big = torch.zeros_like(src)
+    stager.copy_many([(big, lambda off, buf: buf.copy_(src[off:off + buf.numel()]))])
+    assert [b.numel() for b in stager._bufs] == [8 * 2**20, 8 * 2**20] and torch.equal(big, src)
+    one = torch.zeros(3 * 2**20 + 5, dtype=torch.uint8)
+    fresh = Stager("cpu", buffers=2, buffer_bytes=8 * 2**20)
+    fresh.copy(one, lambda off, buf: buf.fill_(1))
+    assert bool((one == 1).all()) and fresh._bufs[0].numel() == 4 * 2**20 and fresh._bufs[1] is None
+
+
 def test_copy_many_keeps_several_buffers_in_flight(monkeypatch) -> None:
     """The reads of the next buffers run while one buffer's read is still going (no barrier
     per buffer): here the first buffer's fill waits until the second buffer's has started."""

@@ -889,11 +889,10 @@ class Store:
             return None
         try:
             t = fmap.tensor(where.offset, entry.nbytes, entry.dtype.torch_dtype, entry.shape)
-            if verify and where.hashes is not None and \
-                    checksum.block_hashes(io.tensor_bytes(bits_view(t)), where.block) != list(where.hashes):
-                raise checksum.ChecksumError("its data")
         except _READ_ERRORS as e:
             raise FormatError(f"{self.path}: key {entry.path!r}: cannot map the data ({_why(e)})") from e
+        if verify:
+            self._check_hashes(entry, t)
         return t
 
     def _read_tensor(self, entry: TensorEntry, sel: Selection, out: torch.Tensor | None, restore_layout: bool,

@@ -418,13 +418,14 @@ READ_PATHS: dict[str, Callable[[Path, Any], dict[str, Any]]] = {
     "load": lambda p, o: flat(th5.load(p)),
     "load(mmap)": lambda p, o: flat(th5.load(p, mmap=True)),
     "load(verify)": lambda p, o: flat(th5.load(p, verify=True)),
+    "load(mmap, verify)": lambda p, o: flat(th5.load(p, mmap=True, verify=True)),
     "items": lambda p, o: _items(p),
     "slices": lambda p, o: _slices(p),
     "load_into": _load_into,
     "device=cpu:0": lambda p, o: flat(th5.load(p, device={"*": "cpu:0"})),
     "convert": lambda p, o: _convert(p),
 }
-CHECKED = ("load(verify)", "convert")
+CHECKED = ("load(verify)", "load(mmap, verify)", "convert")
 """Read paths that check every checksum."""
 
 

@@ -13,7 +13,7 @@ from . import io, tree
 from .errors import NAMED_KEYS, MismatchError, few
 from .format import Container, TensorEntry
 from .select import Selector
-from .sharded import ShardedStore
+from .sharded import ShardedStore, ShardedTensorEntry
 from .store import Device, Store
 
 __all__ = ["load", "load_into", "LoadResult"]
@@ -163,7 +163,9 @@ def load_into(
     each tensor's bytes straight into it (same ``data_ptr``).
 
     ``target`` is an ``nn.Module`` (its ``state_dict(keep_vars=True)``: parameters and
-    persistent buffers) or a nested dict of tensors. The stored key path of a target tensor
+    persistent buffers) or a nested dict of tensors; ``path`` a file, URL or file object as
+    for :func:`load`, or a checkpoint directory (docs/DISTRIBUTED.md: each target gets its
+    global tensor, assembled from the pieces). The stored key path of a target tensor
     is ``prefix`` + its key path (``prefix="model/"`` for a file saved as ``{"model": sd}``).
     Everything is checked before anything is written. Python's cyclic garbage collector is
     paused meanwhile (:func:`tensorstore_h5.io.gc_paused`).
@@ -225,7 +227,7 @@ def _load_into(target: Any, path: PathLike, select: Selector, prefix: str, stric
         targets = {p: c[k] for p, (c, k) in slots.items()}
     else:
         raise TypeError(f"load_into needs an nn.Module or a nested dict of tensors, got {type(target).__name__}")
-    with Store(path, storage_options=storage_options) as store:
+    with open(path, storage_options=storage_options) as store:
         file_keys = [k for k in store.selected_keys(select) if k.startswith(prefix)]
         stored = {k[len(prefix):]: k for k in file_keys}
         missing = [k for k in targets if k not in stored]
@@ -237,7 +239,7 @@ def _load_into(target: Any, path: PathLike, select: Selector, prefix: str, stric
         not_tensor, shapes, dtypes, meta = [], [], [], []
         for k in order:
             entry, t = store._entry(stored[k]), targets[k]
-            if not isinstance(entry, TensorEntry):
+            if not isinstance(entry, (TensorEntry, ShardedTensorEntry)):
                 not_tensor.append(repr(stored[k]))
             elif tuple(entry.shape) != tuple(t.shape):
                 shapes.append(f"{stored[k]!r} (stored {list(entry.shape)}, target {list(t.shape)})")

@@ -16,7 +16,7 @@ import torch
 
 import tensorstore_h5 as th5
 from helpers import assert_same
-from tensorstore_h5 import sharded
+from tensorstore_h5 import sharded, tree
 from tensorstore_h5.sharded import ShardedStore
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -560,3 +560,86 @@ def test_cli_on_a_damaged_index_names_the_file(tmp_path) -> None:
         f.write(text[: len(text) // 2])
     r = _cli("ls", path)
     assert r.returncode != 0 and "tensorstore_h5.json" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---------------------------------------------------------------------------- load_into a directory
+
+
+class _Tiny(torch.nn.Module):
+    """A module whose state dict keys are the Hugging Face fixture's, minus one and plus one."""
+
+    def __init__(self, device: str | None = None) -> None:
+        super().__init__()
+        kw = {"device": device}
+        self.embed = torch.nn.Parameter(torch.zeros(100, 64, **kw))
+        self.q = torch.nn.Parameter(torch.zeros(64, 64, dtype=torch.bfloat16, **kw))
+        self.register_buffer("norm", torch.zeros(64, **kw))
+
+
+def test_load_into_a_module_from_a_hugging_face_directory(hf_dir) -> None:
+    """load_into takes a checkpoint directory: each target gets the global tensor (straight
+    into it, or cast / laid out like copy_), keys are matched as for a file, strict refuses."""
+    src = _hf_tensors()
+    targets = {"model.embed_tokens.weight": torch.zeros(64, 100).t(),  # not contiguous
+               "model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 64),  # float32 target, bfloat16 stored
+               "model.layers.0.mlp.up_proj.weight": torch.zeros(96, 64, dtype=torch.float16),
+               "lm_head.weight": torch.zeros(100, 64, dtype=torch.int8)}
+    ptrs = {k: t.data_ptr() for k, t in targets.items()}
+    with pytest.raises(th5.MismatchError, match="unexpected keys"):
+        th5.load_into(targets, hf_dir)
+    assert all(not t.any() for t in targets.values())  # refused before anything changed
+    result = th5.load_into(targets, hf_dir, strict=False)
+    assert sorted(result.unexpected_keys) == sorted(tree.escape(k) for k in set(src) - set(targets))  # key paths
+    assert result.missing_keys == []
+    for k, t in targets.items():
+        assert t.data_ptr() == ptrs[k]
+        assert torch.equal(t, src[k].to(t.dtype)), k
+    assert targets["model.embed_tokens.weight"].stride() == (1, 100)  # its own layout kept
+
+
+def test_load_into_a_directory_refuses_before_any_target_changes(tmp_path, monkeypatch) -> None:
+    """A shape mismatch, and (with verify) a damaged byte in one rank's file, are refused
+    naming the key, with every target as it was, including those read before the bad one
+    ('model/e' comes first; reads run a tensor at a time here)."""
+    monkeypatch.setattr(sharded.store, "INTO_BATCH_BYTES", 1)
+    path, e = _four_rank_dir(tmp_path)
+    targets = {"model": {"b": torch.zeros(8), "e": torch.zeros(64, 1000)}}
+    with pytest.raises(th5.MismatchError, match="'model/e'.*stored \\[64, 1024\\]"):
+        th5.load_into(targets, path)
+    targets["model"]["e"] = torch.zeros(64, 1024)
+    assert th5.load_into(targets, path) == ([], [])
+    assert torch.equal(targets["model"]["e"], e) and torch.equal(targets["model"]["b"], torch.arange(8.0))
+    with ShardedStore(path) as s:
+        assert s.keys() == ["model/e", "model/b"]
+        piece = s["model/b"].pieces[3]
+        with th5.open(os.path.join(path, piece.file)) as f:
+            at = f._layout.entry("model/b").extent.offset
+    with open(os.path.join(path, piece.file), "r+b") as f:
+        f.seek(at + 1)
+        byte = f.read(1)
+        f.seek(at + 1)
+        f.write(bytes([byte[0] ^ 0x40]))
+    fresh = {"model": {"b": torch.full((8,), -1.0), "e": torch.full((64, 1024), -1.0)}}
+    with pytest.raises(th5.FormatError, match=f"{piece.file}.*'model/b'.*checksum"):
+        th5.load_into(fresh, path, verify=True)
+    assert bool((fresh["model"]["b"] == -1).all()) and bool((fresh["model"]["e"] == -1).all())
+    os.remove(os.path.join(path, piece.file))
+    with pytest.raises(th5.FormatError, match=piece.file):
+        th5.load_into(fresh, path)
+    assert bool((fresh["model"]["b"] == -1).all()) and bool((fresh["model"]["e"] == -1).all())
+
+
+def test_load_into_assign_materialises_a_meta_module_from_a_directory(hf_dir, tmp_path) -> None:
+    """assign=True replaces meta parameters and buffers by tensors read from the directory,
+    keeping nn.Parameter and requires_grad, as load_state_dict(assign=True) does."""
+    src = _hf_tensors()
+    renamed = {"embed": src["model.embed_tokens.weight"], "q": src["model.layers.0.self_attn.q_proj.weight"],
+               "norm": src["model.norm.weight"]}
+    d = _write_hf(tmp_path / "tiny", renamed, shards=2)
+    m = _Tiny(device="meta")
+    with pytest.raises(th5.MismatchError, match="meta device"):
+        th5.load_into(m, d)
+    assert th5.load_into(m, d, assign=True) == ([], [])
+    assert isinstance(m.embed, torch.nn.Parameter) and m.embed.requires_grad and m.embed.device.type == "cpu"
+    for k, v in renamed.items():
+        assert torch.equal(m.state_dict()[k], v), k

@@ -28,6 +28,10 @@ from .safetensors import safetensors_index
 
 __all__ = ["is_checkpoint_directory", "ShardedTensorHandle", "ShardedStore", "open_directory"]
 
+INTO_BATCH_BYTES = 64 * 2**20
+"""Bytes of targets whose reads :meth:`ShardedStore._read_into` queues before running them
+(targets that need a temporary hold at most this much of it at once)."""
+
 # ---------------------------------------------------------------------------- the view
 
 
@@ -374,21 +378,54 @@ class ShardedStore:
 
     def _fill(self, entry: ShardedTensorEntry, sel: Selection, box: torch.Tensor, reads: Reads) -> None:
         """Queue the reads of ``sel`` of ``entry`` into ``box`` (shaped ``sel.count``)."""
+        for loc, piece, local, dest in self._located(entry, sel):
+            reads.region(loc, piece.shape, entry.dtype, local, box[dest] if dest else box)
+
+    def _located(self, entry: ShardedTensorEntry, sel: Selection) -> list[tuple[Any, Piece, Selection, tuple[slice, ...]]]:
+        """The stored pieces of ``entry`` that ``sel`` overlaps, each with its checked location
+        (file, dataset, byte range: :meth:`Th5Files.locate`), its own selection and the slices
+        of the result it fills. Raises FormatError naming the file and the key, before any
+        byte of the selection is read."""
         self._check_open()
+        out = []
         for piece in entry.pieces:
             if not piece.numel:
                 continue
             hit = piece_overlap(sel, piece)
-            if hit is None:
-                continue
-            local, dest = hit
-            loc = self._files.locate(piece, entry)
-            reads.region(loc, piece.shape, entry.dtype, local, box[dest] if dest else box)
-        if self._layout.rank is not None:
-            covered = sum(math.prod(h[0].count) for p in entry.pieces if p.numel and (h := piece_overlap(sel, p)) is not None)
-            if covered != math.prod(sel.count):
-                raise FormatError(f"{self.index_path}: key {entry.path!r}: the selection is not all stored in this "
-                                  f"rank-local index (rank {self._layout.rank}); open the directory's global index")
+            if hit is not None:
+                out.append((self._files.locate(piece, entry), piece, *hit))
+        if self._layout.rank is not None and sum(math.prod(local.count) for _, _, local, _ in out) != math.prod(sel.count):
+            raise FormatError(f"{self.index_path}: key {entry.path!r}: the selection is not all stored in this "
+                              f"rank-local index (rank {self._layout.rank}); open the directory's global index")
+        return out
+
+    def _read_into(self, pairs: list[tuple[ShardedTensorEntry, torch.Tensor]], progress: bool | None, verify: bool
+                   ) -> None:
+        """Fill each target (its shape already checked; another dtype, layout or device is
+        filled through a temporary and cast like ``copy_``) with its global tensor, for
+        :func:`tensorstore_h5.load_into`. Every piece's file and dataset is checked first, and
+        with ``verify`` every checksum, so a damaged directory is refused before any target
+        changes. Reads run in batches of about :data:`INTO_BATCH_BYTES`."""
+        for entry, _ in pairs:
+            self._located(entry, select_index((), entry.shape))
+        if verify:
+            for entry, _ in pairs:
+                self._verify(entry)
+        bar = Progress(progress, desc=f"loading {os.path.basename(self.path.rstrip('/'))}")
+        bar.total(sum(e.nbytes for e, _ in pairs))
+        try:
+            reads, queued = Reads(), 0
+            for entry, target in pairs:
+                self._fill(entry, select_index((), entry.shape), target, reads)
+                queued += entry.nbytes
+                if queued >= INTO_BATCH_BYTES:
+                    reads.run()
+                    bar.update(queued)
+                    reads, queued = Reads(), 0
+            reads.run()
+            bar.update(queued)
+        finally:
+            bar.close()
 
     def _read_handle(self, entry: ShardedTensorEntry, index: Any, out: torch.Tensor | None, verify: bool) -> torch.Tensor:
         sel = select_index(() if index is None else index, entry.shape)

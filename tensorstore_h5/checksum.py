@@ -40,7 +40,10 @@ def from_hex(text: Any) -> int:
 
 def block_hashes(data: Any, block: int) -> list[int]:
     """Hashes of consecutive ``block``-byte blocks of a buffer (the last one shorter)."""
-    view = memoryview(data).cast("B")
+    view = memoryview(data)
+    if view.nbytes <= block:  # one block (most tensors of a state with many small ones): no slicing
+        return [digest(view)] if view.nbytes else []
+    view = view.cast("B")
     return [digest(view[i:i + block]) for i in range(0, len(view), block)]
 
 

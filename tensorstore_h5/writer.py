@@ -490,12 +490,12 @@ class Writer:
                 return TensorEntry(path, key, spec, shape, orig.dataset, stride, orig.path, parameter, requires_grad,
                                    extent=orig.extent)
             self._aliases[alias_key] = (weakref.ref(value), path)
-        entry = TensorEntry(path, key, spec, shape, dataset, stride, None, parameter, requires_grad)
         dcpl = self._compression.dcpl(path, t, spec) or self._plain
         dsid, extent = self._write_data(dataset, spec.h5_type, shape, t, spec.itemsize, dcpl)
+        entry = TensorEntry(path, key, spec, shape, dataset, stride, None, parameter, requires_grad, extent=extent)
         fmt.write_dataset_attrs(dsid, entry)
         self._progress.update(entry.nbytes)
-        return TensorEntry(path, key, spec, shape, dataset, stride, None, parameter, requires_grad, extent=extent)
+        return entry
 
     def _write_array(self, path: str, key: Any, value: np.ndarray) -> ArrayEntry:
         dataset = path or fmt.ROOT_DATASET
@@ -516,7 +516,7 @@ class Writer:
         assert self._file is not None
         nbytes = t.numel() * t.element_size()
         space = self._space(shape)
-        chunked = dcpl.get_layout() == h5py.h5d.CHUNKED
+        chunked = dcpl is not self._plain and dcpl.get_layout() == h5py.h5d.CHUNKED
         dapl = None
         if chunked:
             dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
@@ -530,7 +530,7 @@ class Writer:
             offset = dsid.get_offset()  # allocated when created (ALLOC_TIME_EARLY, see _dcpl)
             if offset is None:
                 raise OSError("HDF5 did not allocate the dataset's data")
-            if t.device.type == "cpu" and t.is_contiguous():  # the common case: one pwrite from its memory
+            if t.is_cpu and t.is_contiguous():  # the common case: one pwrite from its memory
                 data = io.tensor_buffer(t)
                 io.pwrite_all(self._fd, data, offset)
                 hashes = tuple(checksum.block_hashes(data, checksum.HASH_BLOCK))

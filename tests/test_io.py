@@ -472,3 +472,18 @@ def test_gc_paused_nests_across_threads_and_restores_the_callers_setting() -> No
         assert not gc.isenabled()  # the caller had it off: left off
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5])
+def test_block_hashes_cut_any_buffer_into_blocks(n) -> None:
+    """One hash per block of ``block`` bytes, the last one shorter, for any buffer type and
+    size (the one-block fast path and the sliced path agree with hashing each block alone)."""
+    from tensorstore_h5 import checksum
+
+    data = bytes(range(256)) * (n // 256 + 1)
+    data = data[:n]
+    expected = [checksum.digest(data[i:i + 4096]) for i in range(0, n, 4096)]
+    assert checksum.block_hashes(data, 4096) == expected
+    assert checksum.block_hashes(memoryview(np.frombuffer(data, dtype=np.uint8)), 4096) == expected
+    if n % 4 == 0:  # a buffer of 4-byte items: blocks are counted in bytes
+        assert checksum.block_hashes(np.frombuffer(data, dtype=np.float32), 4096) == expected

@@ -643,3 +643,62 @@ def test_load_into_assign_materialises_a_meta_module_from_a_directory(hf_dir, tm
     assert isinstance(m.embed, torch.nn.Parameter) and m.embed.requires_grad and m.embed.device.type == "cpu"
     for k, v in renamed.items():
         assert torch.equal(m.state_dict()[k], v), k
+
+
+@pytest.fixture
+def staged_cpu(monkeypatch):
+    """Treat the CPU as a device: ShardedStore.load(device="cpu") takes the staged device
+    branch (what CUDA destinations take), and the stagers made are recorded."""
+    from tensorstore_h5.sharded import store as sstore
+
+    real = ShardedStore._device
+    monkeypatch.setattr(ShardedStore, "_device", lambda self, device, key: torch.device("cpu") if device == "cpu"
+                        else real(self, device, key))
+    monkeypatch.setattr(sstore, "_staged", lambda dev: True)
+    made = []
+    real_stager = ShardedStore._stager
+    monkeypatch.setattr(ShardedStore, "_stager", lambda self, dev: made.append(real_stager(self, dev)) or made[-1])
+    return made
+
+
+def test_device_loads_of_whole_row_pieces_go_through_the_staging_buffers(tmp_path, hf_dir, staged_cpu) -> None:
+    """Tensors whose pieces hold whole rows (Hugging Face shards, Shard(0) ranks) go to a
+    device through the staging buffers, straight from the files; pieces narrower than the
+    rows are read on the host and copied; every value is exact either way."""
+    with ShardedStore(hf_dir) as s:
+        got = s.load(device="cpu")
+    assert_same(got, _hf_tensors())
+    assert len(staged_cpu) == 1 and sum(staged_cpu[0].uses) == 1  # 56 kB: one buffer, one fill of it
+    path, e = _four_rank_dir(tmp_path)
+    with ShardedStore(path) as s:
+        got = s.load(device="cpu")
+    assert torch.equal(got["model"]["e"], e) and torch.equal(got["model"]["b"], torch.arange(8.0))
+    cols = str(tmp_path / "cols")
+    save_as_ranks({"model.w": e}, cols, ranks=2, dim=1, mappings={"model.w": ("model", "w")})
+    staged_cpu.clear()
+    with ShardedStore(cols) as s:
+        assert [p.offsets for p in s["model/w"].pieces] == [(0, 0), (0, 512)]
+        got = s.load(device="cpu")
+    assert torch.equal(got["model"]["w"], e) and staged_cpu == []  # column pieces: read on the host
+
+
+@pytest.mark.parametrize("when", ["opening", "reading data"])
+def test_an_io_error_in_a_rank_file_names_the_file_and_the_key(tmp_path, staged_cpu, monkeypatch, when) -> None:
+    """An I/O error while a rank file is opened and checked, or while a staged piece is read,
+    is a FormatError naming the file and the key, not a bare OSError."""
+    path, _ = _four_rank_dir(tmp_path)
+    with ShardedStore(path) as s:
+        bad = s["model/e"].pieces[2].file
+    with th5.open(os.path.join(path, bad)) as f:
+        extent = f._layout.entry("model/e").extent
+    real = th5.io.RawFile.pread
+
+    def pread(self, offset, view):
+        in_data = extent.offset <= offset < extent.offset + extent.nbytes
+        if os.path.basename(self.path) == bad and (in_data if when == "reading data" else offset == 0):
+            raise OSError(5, "Input/output error")
+        return real(self, offset, view)
+
+    monkeypatch.setattr(th5.io.RawFile, "pread", pread)
+    with ShardedStore(path) as s, pytest.raises(th5.FormatError, match=f"{bad}.*'model/e'.*Input/output error"):
+        s.load(device="cpu")

@@ -98,12 +98,16 @@ class Th5Files:
             if key in str(e):
                 raise
             raise FormatError(f"{e} (key {key!r})") from e
+        except (OSError, EOFError) as e:
+            raise FormatError(f"{where}: cannot read the file ({e})") from e
         finally:
             raw.close()
         try:
             store = Store(full)
         except FormatError as e:
             raise FormatError(f"{e} (key {key!r})") from e
+        except OSError as e:
+            raise FormatError(f"{where}: cannot read the file ({e})") from e
         if store.format_version != 2:
             store.close()
             raise FormatError(f"{where}: not a tensorstore_h5 format-2 file")

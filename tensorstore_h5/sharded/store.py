@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .. import io, tree
+from .. import io, transfer, tree
 from ..display import Progress, human_bytes
 from ..dtypes import bits_view
 from ..errors import FormatError, KeyNotFoundError, MismatchError, TensorStoreError
@@ -23,7 +23,7 @@ from .index import (
     DCP_METADATA, DirectoryIndex, DirEntry, HF_INDEX_SUFFIX, INDEX_NAME, INDEX_VERSION, PathLike, Piece, RANK_INDEX,
     rank_index_name, read_index, ShardedArrayEntry, ShardedTensorEntry,
 )
-from .reads import piece_overlap, Reads, Th5Files
+from .reads import _keyed, piece_overlap, Reads, Th5Files
 from .safetensors import safetensors_index
 
 __all__ = ["is_checkpoint_directory", "ShardedTensorHandle", "ShardedStore", "open_directory"]
@@ -147,6 +147,7 @@ class ShardedStore:
                                   "model.safetensors")
         self.index_path = self._layout.path
         self._closed = False
+        self._stagers: dict[torch.device, transfer.Stager] = {}
 
     def _read_ours(self, name: str) -> DirectoryIndex:
         try:
@@ -275,6 +276,7 @@ class ShardedStore:
         bar.total(sum(e.nbytes for e in entries if isinstance(e, (ShardedTensorEntry, ShardedArrayEntry))))
         items: list[Any] = []
         pending: list[tuple[int, ShardedTensorEntry, torch.Tensor]] = []
+        staged: dict[torch.device, list[tuple[torch.Tensor, transfer.Fill]]] = {}
         try:
             reads = Reads()
             for entry in entries:
@@ -282,23 +284,61 @@ class ShardedStore:
                     items.append(entry)
                 elif isinstance(entry, ShardedTensorEntry):
                     self._check_device(device, entry.path)
-                    t = self._empty(entry, entry.shape)
+                    dev = self._device(device, entry.path)
                     if verify:
                         self._verify(entry)
-                    self._fill(entry, select_index((), entry.shape), t, reads)
+                    parts = self._stageable(entry) if dev is not None and _staged(dev) and transfer.batched() else None
+                    if parts is not None:
+                        assert dev is not None
+                        t = transfer.device_empty(entry.shape, entry.dtype.torch_dtype, dev, entry.path)
+                        if parts:  # (none for a tensor without elements)
+                            rows = t.reshape(t.shape[0] if t.dim() else 1, -1)
+                            staged.setdefault(dev, []).extend((rows[a:b], fill) for a, b, fill in parts)
+                    else:
+                        t = self._empty(entry, entry.shape)
+                        self._fill(entry, select_index((), entry.shape), t, reads)
                     pending.append((len(items), entry, t))
                     items.append(None)
-                    if not bar.silent:
+                    if not bar.silent and parts is None:
                         reads.run()
                         bar.update(entry.nbytes)
                 else:
                     items.append(Leaf(entry.path, entry.key, self._read_leaf(entry, device, verify)))
             reads.run()
+            for dev, parts in staged.items():
+                self._stager(dev).copy_many(parts, lambda part: bar.update(part.numel() * part.element_size()))
         finally:
             bar.close()
         for i, entry, t in pending:
             items[i] = Leaf(entry.path, entry.key, self._finish(t, entry, device))
         return tree.inflate(items)
+
+    def _stageable(self, entry: ShardedTensorEntry) -> list[tuple[int, int, transfer.Fill]] | None:
+        """For a tensor going to a device: ``(first row, end row, fill)`` of each stored piece
+        when every piece holds whole rows (offsets only in the first dimension) as raw bytes,
+        so each piece is one contiguous range of the destination filled through the staging
+        buffers (``fill(offset, buf)`` reads its bytes; errors name the file and the key);
+        None when a piece is compressed or narrower than the rows (then it is read on the host
+        and copied)."""
+        parts = []
+        for loc, piece, _, _ in self._located(entry, select_index((), entry.shape)):  # checked, and covered
+            if any(piece.offsets[1:]) or tuple(piece.shape[1:]) != tuple(entry.shape[1:]) or loc.raw is None:
+                return None
+            first = piece.offsets[0] if piece.offsets else 0
+            rows = piece.shape[0] if piece.shape else 1
+
+            def fill(off: int, buf: torch.Tensor, loc: Any = loc) -> None:
+                _keyed(loc, lambda: loc.raw.pread(loc.offset + off, io.tensor_buffer(buf)))()
+
+            parts.append((first, first + rows, fill))
+        return parts
+
+    def _stager(self, dev: torch.device) -> transfer.Stager:
+        """The staging buffers of ``dev``, made once per store."""
+        stager = self._stagers.get(dev)
+        if stager is None:
+            stager = self._stagers[dev] = transfer.Stager(dev)
+        return stager
 
     def _read_leaf(self, entry: DirEntry, device: Device, verify: bool) -> Any:
         if isinstance(entry, ValueEntry):
@@ -354,7 +394,7 @@ class ShardedStore:
 
     def _finish(self, t: torch.Tensor, entry: ShardedTensorEntry, device: Device) -> torch.Tensor:
         dev = self._device(device, entry.path)
-        if dev is not None:
+        if dev is not None and t.device != dev:
             t = t.to(dev)
         if entry.parameter:
             return torch.nn.Parameter(t, requires_grad=entry.requires_grad)
@@ -530,6 +570,11 @@ class ShardedStore:
         state = ", closed" if self._closed else ""
         return (f"<tensorstore_h5.ShardedStore {self.path!r} ({self.kind}, {len(self._layout.files)} files, {len(self)} "
                 f"keys, {n_t} tensors, {human_bytes(self.nbytes)}{state})>")
+
+
+def _staged(dev: torch.device) -> bool:
+    """True for devices whose tensors a directory load fills through staging buffers (not the CPU)."""
+    return dev.type != "cpu"
 
 
 def _child(container: Any, name: str) -> Any:

@@ -702,3 +702,15 @@ def test_an_io_error_in_a_rank_file_names_the_file_and_the_key(tmp_path, staged_
     monkeypatch.setattr(th5.io.RawFile, "pread", pread)
     with ShardedStore(path) as s, pytest.raises(th5.FormatError, match=f"{bad}.*'model/e'.*Input/output error"):
         s.load(device="cpu")
+
+
+def test_load_into_device_targets_from_a_directory_go_through_the_staging_buffers(tmp_path, staged_cpu) -> None:
+    """Contiguous device targets of the stored dtype are filled through the staging buffers
+    (the CPU stands in for a device here); others are read on the host and cast; all exact."""
+    path, e = _four_rank_dir(tmp_path)
+    targets = {"model": {"e": torch.zeros(64, 1024), "b": torch.zeros(8, dtype=torch.float64)}}
+    ptr = targets["model"]["e"].data_ptr()
+    assert th5.load_into(targets, path) == ([], [])
+    assert targets["model"]["e"].data_ptr() == ptr and torch.equal(targets["model"]["e"], e)
+    assert torch.equal(targets["model"]["b"], torch.arange(8.0, dtype=torch.float64))
+    assert len(staged_cpu) == 1 and sum(staged_cpu[0].uses) == 1  # 256 kB of 'e' in one buffer; 'b' cast on the host

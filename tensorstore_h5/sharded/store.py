@@ -441,8 +441,9 @@ class ShardedStore:
 
     def _read_into(self, pairs: list[tuple[ShardedTensorEntry, torch.Tensor]], progress: bool | None, verify: bool
                    ) -> None:
-        """Fill each target (its shape already checked; another dtype, layout or device is
-        filled through a temporary and cast like ``copy_``) with its global tensor, for
+        """Fill each target (its shape already checked; contiguous device targets of the stored
+        dtype straight from the files through the staging buffers where every piece holds whole
+        rows; others through a temporary, cast like ``copy_``) with its global tensor, for
         :func:`tensorstore_h5.load_into`. Every piece's file and dataset is checked first, and
         with ``verify`` every checksum, so a damaged directory is refused before any target
         changes. Reads run in batches of about :data:`INTO_BATCH_BYTES`."""
@@ -453,9 +454,17 @@ class ShardedStore:
                 self._verify(entry)
         bar = Progress(progress, desc=f"loading {os.path.basename(self.path.rstrip('/'))}")
         bar.total(sum(e.nbytes for e, _ in pairs))
+        staged: dict[torch.device, list[tuple[torch.Tensor, transfer.Fill]]] = {}
         try:
             reads, queued = Reads(), 0
             for entry, target in pairs:
+                parts = self._stageable(entry) if _staged(target.device) and target.is_contiguous() and \
+                    target.dtype == entry.dtype.torch_dtype and transfer.batched() else None
+                if parts is not None:  # device targets: straight from the files through the staging buffers
+                    if parts:
+                        rows = target.detach().reshape(target.shape[0] if target.dim() else 1, -1)
+                        staged.setdefault(target.device, []).extend((rows[a:b], fill) for a, b, fill in parts)
+                    continue
                 self._fill(entry, select_index((), entry.shape), target, reads)
                 queued += entry.nbytes
                 if queued >= INTO_BATCH_BYTES:
@@ -464,6 +473,8 @@ class ShardedStore:
                     reads, queued = Reads(), 0
             reads.run()
             bar.update(queued)
+            for dev, staged_parts in staged.items():
+                self._stager(dev).copy_many(staged_parts, lambda part: bar.update(part.numel() * part.element_size()))
         finally:
             bar.close()
 

@@ -143,6 +143,17 @@ def _four_rank_dir(tmp_path) -> tuple[str, torch.Tensor]:
     return path, e
 
 
+def _flip_data_byte(directory: str, name: str, key: str, at: int, mask: int) -> None:
+    """XOR ``mask`` into byte ``at`` of the data of ``key`` in the rank file ``name``."""
+    with th5.open(os.path.join(directory, name)) as f:
+        offset = f._layout.entry(key).extent.offset + at
+    with open(os.path.join(directory, name), "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ mask]))
+
+
 def test_a_slice_reads_only_the_pieces_it_overlaps(tmp_path, monkeypatch) -> None:
     path, e = _four_rank_dir(tmp_path)
     with ShardedStore(path) as s:
@@ -301,13 +312,7 @@ def test_verify_finds_a_damaged_byte(tmp_path) -> None:
         report = s.verify()
         assert report["problems"] == [] and report["files"] == 4 and report["tensor_bytes"] == e.nbytes + 32
         piece = s["model/e"].pieces[2]
-        with th5.open(os.path.join(path, piece.file)) as f:
-            at = f._layout.entry("model/e").extent.offset
-    with open(os.path.join(path, piece.file), "r+b") as f:
-        f.seek(at + 100)
-        byte = f.read(1)
-        f.seek(at + 100)
-        f.write(bytes([byte[0] ^ 1]))
+    _flip_data_byte(path, piece.file, "model/e", 100, 1)
     with ShardedStore(path) as s:
         problems = s.verify()["problems"]
         assert len(problems) == 1 and piece.file in problems[0] and "'model/e'" in problems[0]
@@ -612,13 +617,7 @@ def test_load_into_a_directory_refuses_before_any_target_changes(tmp_path, monke
     with ShardedStore(path) as s:
         assert s.keys() == ["model/e", "model/b"]
         piece = s["model/b"].pieces[3]
-        with th5.open(os.path.join(path, piece.file)) as f:
-            at = f._layout.entry("model/b").extent.offset
-    with open(os.path.join(path, piece.file), "r+b") as f:
-        f.seek(at + 1)
-        byte = f.read(1)
-        f.seek(at + 1)
-        f.write(bytes([byte[0] ^ 0x40]))
+    _flip_data_byte(path, piece.file, "model/b", 1, 0x40)
     fresh = {"model": {"b": torch.full((8,), -1.0), "e": torch.full((64, 1024), -1.0)}}
     with pytest.raises(th5.FormatError, match=f"{piece.file}.*'model/b'.*checksum"):
         th5.load_into(fresh, path, verify=True)

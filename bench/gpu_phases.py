@@ -38,6 +38,29 @@ def child(what: str) -> None:
         s, _ = timed(lambda: [torch.empty(sh, dtype=dt, device="cuda") for sh, dt in shapes])
         print(f"  first cuda empty of every tensor: {s * 1e3:.1f} ms")
         return
+    if what == "pinning":  # first-use cost by size, and whether reads run while the main thread pins
+        for mib in (1, 8, 32, 64):
+            s, _ = timed(lambda: torch.empty(mib << 20, dtype=torch.uint8, pin_memory=True))
+            print(f"  first pin of {mib} MiB: {s * 1e3:.1f} ms")
+        buf = torch.empty(512 << 20, dtype=torch.uint8)
+        buf.fill_(0)
+        view = io.tensor_buffer(buf)
+        fd = os.open(PATH, os.O_RDONLY)
+        try:
+            t0 = time.perf_counter()
+            io.run_jobs([lambda a=a: os.preadv(fd, [view[a:a + (64 << 20)]], a) for a in range(0, 512 << 20, 64 << 20)])
+            alone = time.perf_counter() - t0
+            jobs = io.submit_jobs([lambda a=a: os.preadv(fd, [view[a:a + (64 << 20)]], a) for a in range(0, 512 << 20, 64 << 20)])
+            t0 = time.perf_counter()
+            pinned = torch.empty(128 << 20, dtype=torch.uint8, pin_memory=True)
+            pin = time.perf_counter() - t0
+            io.wait_all(jobs)
+            both = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+        print(f"  read 512 MiB alone {alone * 1e3:.1f} ms; pin 128 MiB {pin * 1e3:.1f} ms while reading, both done "
+              f"{both * 1e3:.1f} ms (overlapped if close to max, not the sum) {pinned.numel()}")
+        return
     if what.startswith("load"):
         if ":" in what:
             nb, sz = what.split(":")[1].split("x")
@@ -77,7 +100,7 @@ def main() -> None:
     th5.save(sd, PATH)
     del sd
     print(f"file {os.path.getsize(PATH) / 1e9:.2f} GB, {os.cpu_count()} cores")
-    for what in ("alloc", "load", "load:2x64", "load:3x64", "load:4x64", "load:8x16", "into", "threads"):
+    for what in ("alloc", "pinning", "load", "load:2x64", "load:4x64", "load:8x16", "into", "threads"):
         print(what)
         r = subprocess.run([sys.executable, __file__, "child", what], capture_output=True, text=True, timeout=200)
         print(r.stdout[-4000:], r.stderr[-1500:])

@@ -431,6 +431,90 @@ NOTEBOOKS: dict[str, list[str]] = {
             plt.show()
         """)),
     ],
+    "05_sharded_checkpoints.ipynb": [
+        md("# Checkpoints of many ranks, and Hugging Face shards\n"
+           "A training job with `torch.distributed.checkpoint` and `tensorstore_h5.distributed.H5StorageWriter` "
+           "writes one file per rank and a JSON index. Here `save_as_ranks` writes such a directory in one "
+           "process, exactly as 4 ranks holding every tensor as `Shard(0)` would, so that the notebook runs "
+           "anywhere. No process group is needed to read it."),
+        _c("""
+            %matplotlib inline
+            import json, os, tempfile, torch
+            import pandas as pd
+            import matplotlib.pyplot as plt
+            from safetensors.torch import save_file
+            import tensorstore_h5 as th5
+            from tensorstore_h5 import cli
+            from tensorstore_h5.distributed.simulate import save_as_ranks
+            from tensorstore_h5.synthetic import transformer_state_dict
+
+            tmpdir = tempfile.TemporaryDirectory()   # removed when the kernel stops
+            tmp = tmpdir.name
+            sd = dict(transformer_state_dict(4, 256))
+            del sd['head.weight']   # tied to embed.weight
+            ckpt = os.path.join(tmp, 'step1000')
+            save_as_ranks(sd, ckpt, ranks=4)
+            for name in sorted(os.listdir(ckpt)):
+                print(f'{name:40} {os.path.getsize(os.path.join(ckpt, name)) / 1e6:6.2f} MB')
+        """),
+        md("`th5.open` takes the directory and shows the *global* tensors, whichever ranks wrote them:"),
+        html(_c("""
+            store = th5.open(ckpt)
+            store
+        """)),
+        md("Each tensor is stored in pieces, one per rank that held part of it. A slice reads only the pieces "
+           "it overlaps: rows 0-9 of a weight come from rank 0's file alone."),
+        figure(_c("""
+            keys = ['embed.weight', 'layers.0.attn.qkv.weight', 'layers.0.mlp.up.weight', 'layers.3.mlp.down.weight']
+            fig, ax = plt.subplots(figsize=(8, 2.6))
+            for y, key in enumerate(keys):
+                rows = store[key].shape[0]
+                for piece in store[key].pieces:
+                    rank = int(piece.file[4:9])
+                    ax.barh(y, piece.shape[0] / rows, left=piece.offsets[0] / rows, color=f'C{rank}',
+                            edgecolor='white', label=f'rank {rank}' if y == 0 else None)
+            ax.set_yticks(range(len(keys)), keys)
+            ax.invert_yaxis()
+            ax.set_xlabel('share of the rows (dimension 0) of each tensor')
+            ax.set_title('which rank file holds which rows')
+            ax.legend(ncol=4, loc='upper center', bbox_to_anchor=(0.5, -0.35))
+            fig.tight_layout()
+            plt.show()
+            print(store['layers.0.attn.qkv.weight'][:10].shape, 'read from', store['layers.0.attn.qkv.weight'].pieces[0].file)
+        """)),
+        md("## Loading into a model\n"
+           "`th5.load_into` fills a model's tensors from the directory as from one file: keys and shapes are "
+           "checked, and with `verify=True` every checksum, before any tensor changes."),
+        _c("""
+            model = {k: torch.zeros_like(v) for k, v in sd.items()}   # stands in for model.state_dict()
+            print(th5.load_into(model, ckpt, verify=True))
+            assert all(torch.equal(model[k], sd[k]) for k in sd)
+        """),
+        md("## Hugging Face sharded safetensors\n"
+           "The same view opens `model.safetensors.index.json` and its shards, without converting them."),
+        html(_c("""
+            hf = os.path.join(tmp, 'hf')
+            os.makedirs(hf)
+            names, weight_map = list(sd), {}
+            for i in range(2):
+                shard = f'model-{i + 1:05d}-of-00002.safetensors'
+                save_file({k: sd[k].contiguous() for k in names[i::2]}, os.path.join(hf, shard))
+                weight_map.update({k: shard for k in names[i::2]})
+            with open(os.path.join(hf, 'model.safetensors.index.json'), 'w') as f:
+                json.dump({'metadata': {}, 'weight_map': weight_map}, f)
+            hf_store = th5.open(hf)
+            pd.DataFrame([{**hf_store.leaf_info(k), 'file': hf_store[k].pieces[0].file} for k in hf_store.keys()[:6]])
+        """)),
+        md("## Checking and consolidating\n"
+           "`verify` reads every piece and checks it against its checksum; `convert` writes the global "
+           "tensors into one file, key by key, with bounded memory. Both are also `tensorstore-h5` commands."),
+        _c("""
+            cli.main(['verify', ckpt])
+            one = os.path.join(tmp, 'step1000.h5')
+            cli.main(['convert', ckpt, one])
+            assert all(torch.equal(v, sd[k]) for k, v in th5.load(one).items())
+        """),
+    ],
 }
 
 

@@ -68,6 +68,7 @@ def save_async(
     metadata: Mapping[str, Any] | None = None,
     chunk_bytes: int | None = None,
     sync: bool = False,
+    direct: bool | None = None,
 ) -> SaveFuture:
     """Save ``obj`` to ``path`` in the background; returns once its tensors are copied.
 
@@ -82,6 +83,9 @@ def save_async(
         future = th5.save_async({"model": model.state_dict(), "step": step}, "ckpt.h5")
         ...                      # train on
         future.result()          # raises what the save raised; the old file is intact then
+
+    ``compression``, ``metadata``, ``chunk_bytes``, ``sync`` and ``direct`` are those of
+    :func:`tensorstore_h5.save`.
 
     Returns:
         A ``concurrent.futures.Future``; ``result()`` is None once the file is in place.
@@ -129,7 +133,7 @@ def save_async(
         def write() -> None:
             try:
                 with Writer(path, compression=compression, metadata=metadata, progress=False, chunk_bytes=chunk_bytes,
-                            sync=sync) as w:
+                            sync=sync, direct=direct) as w:
                     w._write_root(snap)
             finally:
                 snap.clear()

@@ -244,6 +244,16 @@ def _(ctx: Ctx) -> Timed:
     return (lambda: th5.save(sd, path)), ctx.nbytes(sd)
 
 
+@contender("W.tensorstore_h5 save(direct=True)", "write")
+def _(ctx: Ctx) -> Timed:
+    """O_DIRECT writes of the tensor data (io.DirectWrites): no fresh page-cache memory."""
+    import tensorstore_h5 as th5
+
+    path = _fresh(ctx.path("ckpt-direct.h5"))
+    sd = ctx.state()
+    return (lambda: th5.save(sd, path, direct=True)), ctx.nbytes(sd)
+
+
 @contender("W.tensorstore_h5 save over an existing file", "replace")
 def _(ctx: Ctx) -> Timed:
     import tensorstore_h5 as th5
@@ -939,7 +949,8 @@ def _profile_text(profiler: Any, top: int) -> str:
 
 
 ORDER = [
-    "L.write raw bytes", "W.tensorstore_h5 save", "W.torch.save", "W.safetensors save_file",
+    "L.write raw bytes", "W.tensorstore_h5 save", "W.tensorstore_h5 save(direct=True)", "W.torch.save",
+    "W.safetensors save_file",
     "W.pickle header + raw storages", "W.naive h5py create_dataset(data=t.numpy())",
     "L.write raw bytes over an existing file (in place)", "W.tensorstore_h5 save over an existing file",
     "W.torch.save over an existing file",
@@ -1128,6 +1139,8 @@ def _ratios(rows: list[dict[str, Any]], echo: Callable[[str], None]) -> None:
     ratio("W.tensorstore_h5 save", "L.write raw bytes", "save / raw write (>= 0.8)")
     ratio("W.tensorstore_h5 save", "W.safetensors save_file", "save vs safetensors save_file")
     ratio("W.tensorstore_h5 save", "W.torch.save", "save vs torch.save")
+    ratio("W.tensorstore_h5 save(direct=True)", "W.torch.save", "save(direct=True) vs torch.save")
+    ratio("W.tensorstore_h5 save(direct=True)", "W.tensorstore_h5 save", "save(direct=True) vs save")
     ratio("W.tensorstore_h5 save_async: the caller's stall", "W.torch.save", "time: save_async stall / torch.save (<= 0.3)", True)
     ratio("W.tensorstore_h5 save_async: until written", "W.tensorstore_h5 save", "time: save_async until written / save", True)
     ratio("W.tensorstore_h5 save over an existing file", "L.write raw bytes over an existing file (in place)",
@@ -1201,7 +1214,7 @@ def run_args(a: Any) -> int:
         from .bench_distributed import run as run_distributed
 
         rows = run_distributed(2**30 / 1e9 if a.size_gb == 2.0 else a.size_gb, 64 if a.keys == 300 else a.keys, a.repeat,
-                               tuple(int(r) for r in a.ranks.split(",")), a.dir, a.settle)
+                               tuple(int(r) for r in a.ranks.split(",")), a.dir, a.settle, sync_files=a.sync_files)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"machine": _machine(), "rows": rows}, f, indent=1)

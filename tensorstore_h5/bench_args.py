@@ -33,6 +33,9 @@ def add_arguments(p: Any) -> None:
                    help="measure DCP save/load through tensorstore_h5.distributed against FileSystemWriter/Reader, "
                         "1 and 2 ranks (1 GiB of 64 tensors unless --size-gb/--keys say otherwise)")
     p.add_argument("--ranks", default="1,2", help="with --distributed: comma-separated numbers of ranks")
+    p.add_argument("--sync-files", action="store_true",
+                   help="with --distributed: both writers fsync every file (DCP's default; tensorstore_h5 then writes "
+                        "with O_DIRECT)")
     p.add_argument("--gpu", action="store_true", help="add the CUDA contenders (G.): loads to the GPU against their limits")
     p.add_argument("--cold", action="store_true",
                    help="add the cold-cache contenders (C.; root drops the page cache before each) against the disk's "

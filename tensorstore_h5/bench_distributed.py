@@ -10,7 +10,9 @@ each backend (in alternating order): rank 0 empties the checkpoint directory, ev
 then ``dcp.save`` is timed between two barriers; then ``dcp.load`` into preallocated DTensors of
 the same placement (files in the page cache: a warm load), then into ``Shard(1)`` DTensors (a
 resharding load). Both writers run with ``sync_files=False`` (page cache, no fsync) and one
-thread per rank. GB/s = global bytes / slowest rank's time.
+thread per rank, or with ``sync_files=True`` (DCP's default: every file fsynced; tensorstore_h5
+then writes tensor data with ``O_DIRECT``, so its loads that follow read from the disk while
+FileSystemReader's find the page cache). GB/s = global bytes / slowest rank's time.
 
     python -m tensorstore_h5.bench_distributed --size-gb 1.07 --repeat 3
 """
@@ -55,7 +57,7 @@ def _tensors(size: int, keys: int) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, port: int, size: int, keys: int, repeat: int, root: str, settle: float,
-            result: str) -> None:
+            result: str, sync_files: bool = False) -> None:
     import datetime
 
     import torch
@@ -98,13 +100,13 @@ def _worker(rank: int, world: int, port: int, size: int, keys: int, repeat: int,
                 time.sleep(settle)
                 if backend == BACKENDS[0]:
                     def writer() -> Any:
-                        return H5StorageWriter(path, sync_files=False)
+                        return H5StorageWriter(path, sync_files=sync_files)
 
                     def reader() -> Any:
                         return H5StorageReader(path)
                 else:
                     def writer() -> Any:
-                        return dcp.FileSystemWriter(path, sync_files=False)
+                        return dcp.FileSystemWriter(path, sync_files=sync_files)
 
                     def reader() -> Any:
                         return dcp.FileSystemReader(path)
@@ -132,7 +134,7 @@ def _free_port() -> int:
 
 def run(size_gb: float = 2**30 / 1e9, keys: int = 64, repeat: int = 3, ranks: Sequence[int] = (1, 2),
         directory: str | None = None, settle: float | None = None,
-        echo: Callable[[str], None] = print) -> list[dict[str, Any]]:
+        echo: Callable[[str], None] = print, sync_files: bool = False) -> list[dict[str, Any]]:
     """Run the benchmark and print its table; returns one row per (ranks, backend, operation)
     with ``best_gbps``, ``median_gbps`` and the ``seconds`` of every round."""
     import torch
@@ -149,10 +151,11 @@ def run(size_gb: float = 2**30 / 1e9, keys: int = 64, repeat: int = 3, ranks: Se
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir=directory, prefix="th5-bench-dcp-") as root:
         echo(f"DCP save/load of {size / 1e9:.2f} GB in {keys} tensors (DTensor Shard(0)), {repeat} round(s), "
-             f"sync_files=False, settle {settle:g} s; {os.cpu_count()} cores, torch {torch.__version__}")
+             f"sync_files={sync_files}, settle {settle:g} s; {os.cpu_count()} cores, torch {torch.__version__}")
         for world in ranks:
             result = os.path.join(root, f"result{world}.json")
-            mp.spawn(_worker, args=(world, _free_port(), size, keys, repeat, root, settle, result), nprocs=world, join=True)
+            mp.spawn(_worker, args=(world, _free_port(), size, keys, repeat, root, settle, result, sync_files), nprocs=world,
+                     join=True)
             with open(result) as f:
                 data = json.load(f)
             for backend in BACKENDS:
@@ -189,13 +192,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", help="where to put the checkpoints (default: the temp dir)")
     p.add_argument("--settle", type=float, default=None, help="seconds to wait after emptying a directory")
     p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument("--sync-files", action="store_true", help="both writers fsync every file (DCP's default)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tensorstore_h5.bench_distributed", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     a = p.parse_args(argv)
-    rows = run(a.size_gb, a.keys, a.repeat, tuple(int(r) for r in a.ranks.split(",")), a.dir, a.settle)
+    rows = run(a.size_gb, a.keys, a.repeat, tuple(int(r) for r in a.ranks.split(",")), a.dir, a.settle,
+               sync_files=a.sync_files)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

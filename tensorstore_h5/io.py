@@ -22,8 +22,10 @@ import mmap
 import os
 import stat
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import h5py
 import numpy as np
@@ -36,7 +38,7 @@ from .slicing import Selection, has_gaps, rows, stride_span
 __all__ = [
     "BLOCK_BYTES", "WRITE_CALL_BYTES", "IO_THREADS", "COLD_IO_THREADS", "PIECE_BYTES", "MAP_MIN_BYTES", "HUGEPAGES",
     "HUGEPAGE_MIN_BYTES", "GATHER_WINDOW", "tensor_bytes", "tensor_buffer", "pwrite_all", "empty", "read_hdf5",
-    "write_hdf5", "write_tensor", "row_blocks", "restore_layout", "gather", "RawFile", "FileMap", "ReadPlan", "run_jobs", "submit_jobs", "wait_all",
+    "write_hdf5", "write_tensor", "row_blocks", "restore_layout", "gather", "RawFile", "FileMap", "ReadPlan", "run_jobs", "submit_jobs", "wait_all", "DirectWrites",
     "SPLIT_MIN_BYTES", "pread_split", "gc_paused",
 ]
 
@@ -588,6 +590,97 @@ def pwrite_all(fd: int, data: Any, offset: int) -> None:
         if n <= 0:
             raise OSError(errno.EIO, "short write")
         done += n
+
+
+DIRECT_ALIGN = 4096
+"""Alignment in bytes of the offsets, lengths and memory of ``O_DIRECT`` writes."""
+
+DIRECT_MIN_BYTES = 2**20
+"""Smallest range :class:`DirectWrites` writes with ``O_DIRECT`` (smaller ones: buffered)."""
+
+DIRECT_BUFFER_BYTES = 8 * 2**20
+"""Size of the page-aligned bounce buffer of :class:`DirectWrites`."""
+
+
+class DirectWrites:
+    """Writes of large byte ranges of one file with ``O_DIRECT``, bypassing the page cache.
+
+    The page-aligned middle of each range goes through a page-aligned bounce buffer of
+    :data:`DIRECT_BUFFER_BYTES` to a second descriptor opened with ``O_DIRECT``; its unaligned
+    head and tail, and ranges under :data:`DIRECT_MIN_BYTES`, go through the file's ordinary
+    descriptor ``fd`` (their pages never overlap a direct range). Where the page cache is slow
+    to hand out fresh memory (this project's VM: 0.10-0.26 GB/s buffered against 1.0-1.35 GB/s
+    direct for 1 GiB), this is several times faster; where the disk is slower than memory it
+    is slower, and the bytes written are not left in the page cache. A file system that refuses
+    ``O_DIRECT`` (tmpfs) makes :meth:`open` return None; one that refuses a direct write
+    (EINVAL) turns the rest into buffered writes. ``direct_bytes`` counts what went direct.
+    """
+
+    def __init__(self, path: str, fd: int, dfd: int) -> None:
+        self.path = path
+        self._fd = fd
+        self._dfd: int | None = dfd
+        self._buf = mmap.mmap(-1, DIRECT_BUFFER_BYTES)  # anonymous maps are page-aligned
+        self.direct_bytes = 0
+        self._finalizer = weakref.finalize(self, DirectWrites._release, dfd, self._buf)
+
+    @classmethod
+    def open(cls, path: str, fd: int) -> DirectWrites | None:
+        """Direct writes to ``path`` (whose ordinary descriptor is ``fd``), or None where
+        ``O_DIRECT`` is not available there."""
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            return None
+        try:
+            dfd = os.open(path, os.O_WRONLY | flag | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return None
+        return cls(path, fd, dfd)
+
+    def pwrite(self, data: Any, offset: int) -> None:
+        """Write the whole buffer ``data`` at file ``offset``. Raises OSError."""
+        view = memoryview(data).cast("B")
+        end = offset + len(view)
+        a = -(-offset // DIRECT_ALIGN) * DIRECT_ALIGN
+        e = end // DIRECT_ALIGN * DIRECT_ALIGN
+        if self._dfd is None or len(view) < DIRECT_MIN_BYTES or e - a < DIRECT_ALIGN:
+            pwrite_all(self._fd, view, offset)
+            return
+        pwrite_all(self._fd, view[:a - offset], offset)
+        buf = memoryview(self._buf)
+        pos = a
+        try:
+            while pos < e:
+                n = min(len(buf), e - pos)
+                buf[:n] = view[pos - offset:pos - offset + n]
+                done = 0
+                while done < n:
+                    w = os.pwrite(self._dfd, buf[done:n], pos + done)
+                    if w <= 0 or w % DIRECT_ALIGN:
+                        raise OSError(errno.EIO, f"short direct write ({w} of {n - done} bytes)")
+                    done += w
+                pos += n
+                self.direct_bytes += n
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+            self.close()  # the file system refuses these writes after all: the rest goes buffered
+            pwrite_all(self._fd, view[pos - offset:e - offset], pos)
+        finally:
+            buf.release()
+        pwrite_all(self._fd, view[e - offset:], e)
+
+    def close(self) -> None:
+        """Close the direct descriptor and free the bounce buffer (idempotent)."""
+        self._dfd = None
+        self._finalizer()
+
+    @staticmethod
+    def _release(dfd: int, buf: mmap.mmap) -> None:
+        with contextlib.suppress(OSError):
+            os.close(dfd)
+        with contextlib.suppress(BufferError):
+            buf.close()
 
 
 def row_blocks(shape: tuple[int, ...], itemsize: int, block_bytes: int = BLOCK_BYTES) -> Iterator[tuple[int, int]]:

@@ -232,6 +232,12 @@ class Writer:
         chunk_bytes: target chunk size in bytes of compressed datasets.
         sync: ``fsync`` the file before the rename and its directory after it.
         storage_options: for a URL target, passed to fsspec.
+        direct: write the data of tensors of 1 MiB or more with ``O_DIRECT``, bypassing the
+            page cache (:class:`tensorstore_h5.io.DirectWrites`): faster where fresh page-cache
+            memory is slow to come by (VMs) and leaves the cache to the training job, slower
+            where the disk is slower than memory. None (default): when ``sync`` is set (the bytes
+            must reach the disk before the save returns anyway). Where the file system refuses
+            ``O_DIRECT`` the writes are buffered.
 
     A URL or a file object as ``path``: the file is written in a temporary directory and
     uploaded (copied) whole when the writer closes; object stores show the object only once
@@ -255,6 +261,7 @@ class Writer:
         chunk_bytes: int | None = None,
         sync: bool = False,
         storage_options: dict[str, Any] | None = None,
+        direct: bool | None = None,
     ) -> None:
         local = remote.local_path(path)
         self._upload: tuple[Any, dict[str, Any] | None] | None = None
@@ -283,6 +290,7 @@ class Writer:
             raise self._failed("", e) from e
         self._file: h5py.File | None = file
         self._replaced = _Replaced(self._target)
+        self._direct = io.DirectWrites.open(self._tmp, self._fd) if (sync if direct is None else direct) else None
         self._finalizer = weakref.finalize(self, _discard, self._file, self._tmp, self._fd, self._replaced)
         self._entries: list[Entry] = [Container("", None, "dict")]
         self._index: dict[str, Entry] = {"": self._entries[0]}
@@ -321,6 +329,8 @@ class Writer:
         """Write the layout and header, close the file, and move it into place (idempotent)."""
         if self._file is None:
             return
+        if self._direct is not None:
+            self._direct.close()
         try:
             try:
                 text = fmt.layout_text(self._entries, self._metadata)
@@ -362,6 +372,8 @@ class Writer:
         """Discard everything written; any earlier file at ``path`` is left as it was."""
         if self._file is not None:
             self._file = None
+            if self._direct is not None:
+                self._direct.close()
             self._finalizer()
             self._progress.close()
         self._clean_staging()
@@ -532,7 +544,10 @@ class Writer:
                 raise OSError("HDF5 did not allocate the dataset's data")
             if t.is_cpu and t.is_contiguous():  # the common case: one pwrite from its memory
                 data = io.tensor_buffer(t)
-                io.pwrite_all(self._fd, data, offset)
+                if self._direct is not None:
+                    self._direct.pwrite(data, offset)
+                else:
+                    io.pwrite_all(self._fd, data, offset)
                 hashes = tuple(checksum.block_hashes(data, checksum.HASH_BLOCK))
             else:
                 hasher = checksum.BlockHasher(checksum.block_ends(nbytes, checksum.HASH_BLOCK))
@@ -700,6 +715,7 @@ def save(
     chunk_bytes: int | None = None,
     sync: bool = False,
     storage_options: dict[str, Any] | None = None,
+    direct: bool | None = None,
 ) -> None:
     """Save a tensor or a nested dict/list/tuple of tensors and plain values to ``path``: a
     local path, an fsspec URL (``s3://``, ...; ``storage_options`` go to fsspec) or a
@@ -723,6 +739,8 @@ def save(
         chunk_bytes: target chunk size in bytes of compressed datasets.
         sync: ``fsync`` the file and its directory (durable once ``save`` returns).
         storage_options: for a URL, passed to fsspec (credentials, endpoint).
+        direct: write large tensors' data with ``O_DIRECT`` (see :class:`Writer`); None: when
+            ``sync`` is set.
 
     Raises:
         UnsupportedTypeError: (a TypeError) naming the key path and type of a value that
@@ -732,5 +750,5 @@ def save(
     nodes = prepare(obj, path if isinstance(path, str) else os.fspath(path) if isinstance(path, os.PathLike)
                     else remote.FileObjSource.name_of(path))
     with Writer(path, compression=compression, metadata=metadata, progress=progress, chunk_bytes=chunk_bytes,
-                sync=sync, storage_options=storage_options) as w:
+                sync=sync, storage_options=storage_options, direct=direct) as w:
         w._write_root(nodes)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import errno
 import os
 
 import h5py
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import tensorstore_h5 as th5
+from tensorstore_h5 import io
 
 from helpers import assert_same
 
@@ -275,3 +277,106 @@ def test_save_over_a_directory_fails_and_leaves_it(tmp_path) -> None:
     with pytest.raises(OSError):
         th5.save({"a": torch.ones(3)}, tmp_path / "d.h5")
     assert (tmp_path / "d.h5").is_dir() and _files(tmp_path) == ["d.h5"]
+
+
+# ---------------------------------------------------------------------------- O_DIRECT writes
+
+
+def _direct_state() -> dict[str, torch.Tensor]:
+    """Tensors whose data start at unaligned offsets and span the bounce buffer: a head and a
+    tail written buffered around a direct middle, some under the direct minimum."""
+    g = torch.Generator().manual_seed(11)
+    return {"small": torch.randn(7, generator=g), "a": torch.randn(2**18 + 3, generator=g),  # 1 MiB + 12 B
+            "b16": torch.randn(3 * 2**20 + 1, generator=g).to(torch.bfloat16),
+            "big": torch.randn(5 * 2**20 + 5, generator=g),  # ~20 MiB: three bounce-buffer rounds
+            "under": torch.randn(2**18 - 1, generator=g), "t": torch.randn(1024, 700, generator=g).t()}
+
+
+def test_direct_writes_round_trip_and_bypass_the_buffered_descriptor(tmp_path, monkeypatch) -> None:
+    made = []
+    real_open = io.DirectWrites.open
+    monkeypatch.setattr(io.DirectWrites, "open", classmethod(lambda cls, p, fd: made.append(real_open(p, fd)) or made[-1]))
+    sd = _direct_state()
+    th5.save(sd, tmp_path / "d.h5", direct=True)
+    assert len(made) == 1
+    if made[0] is None:
+        pytest.skip("this file system refuses O_DIRECT")
+    contiguous = sum(v.nbytes for k, v in sd.items() if k in ("a", "b16", "big"))
+    assert contiguous - 3 * 2 * io.DIRECT_ALIGN <= made[0].direct_bytes <= contiguous
+    assert_same(th5.load(tmp_path / "d.h5", verify=True), sd)
+    assert th5.load(tmp_path / "d.h5", mmap=True)["big"].equal(sd["big"])
+
+
+def test_direct_is_the_default_with_sync_only(tmp_path, monkeypatch) -> None:
+    asked = []
+    monkeypatch.setattr(io.DirectWrites, "open", classmethod(lambda cls, p, fd: asked.append(p)))
+    th5.save({"x": torch.ones(3)}, tmp_path / "a.h5")
+    assert asked == []
+    th5.save({"x": torch.ones(3)}, tmp_path / "b.h5", sync=True)
+    assert len(asked) == 1
+    th5.save({"x": torch.ones(3)}, tmp_path / "c.h5", sync=True, direct=False)
+    assert len(asked) == 1
+
+
+def test_a_file_system_without_o_direct_gets_buffered_writes(tmp_path, monkeypatch) -> None:
+    """O_DIRECT refused when opening (tmpfs), or by the first direct write (EINVAL): the save
+    still writes every byte, buffered."""
+    real_open = os.open
+
+    def refuse(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    sd = _direct_state()
+    monkeypatch.setattr(os, "open", refuse)
+    th5.save(sd, tmp_path / "a.h5", direct=True)
+    monkeypatch.setattr(os, "open", real_open)
+    assert_same(th5.load(tmp_path / "a.h5", verify=True), sd)
+    real_pwrite = os.pwrite
+    direct_fds: set[int] = set()
+    real_direct_open = io.DirectWrites.open
+
+    def track(cls, path, fd):
+        d = real_direct_open(path, fd)
+        if d is not None:
+            direct_fds.add(d._dfd)
+        return d
+
+    def einval(fd, data, offset):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(io.DirectWrites, "open", classmethod(track))
+    monkeypatch.setattr(os, "pwrite", einval)
+    th5.save(sd, tmp_path / "b.h5", direct=True)
+    monkeypatch.setattr(os, "pwrite", real_pwrite)
+    assert_same(th5.load(tmp_path / "b.h5", verify=True), sd)
+
+
+def test_a_failed_direct_write_fails_the_save_and_keeps_the_earlier_file(tmp_path, monkeypatch) -> None:
+    th5.save({"old": torch.ones(2)}, tmp_path / "f.h5")
+    real_pwrite = os.pwrite
+    real_direct_open = io.DirectWrites.open
+    direct_fds: set[int] = set()
+
+    def track(cls, path, fd):
+        d = real_direct_open(path, fd)
+        if d is not None:
+            direct_fds.add(d._dfd)
+        return d
+
+    def eio(fd, data, offset):
+        if fd in direct_fds:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(io.DirectWrites, "open", classmethod(track))
+    monkeypatch.setattr(os, "pwrite", eio)
+    with pytest.raises(th5.WriteError):
+        th5.save(_direct_state(), tmp_path / "f.h5", direct=True)
+    monkeypatch.setattr(os, "pwrite", real_pwrite)
+    if direct_fds:
+        assert_same(th5.load(tmp_path / "f.h5"), {"old": torch.ones(2)})
+        assert sorted(os.listdir(tmp_path)) == ["f.h5"]

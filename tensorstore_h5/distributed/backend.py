@@ -139,6 +139,8 @@ class H5StorageWriter(StorageWriter, BlockingAsyncStager):
         chunk_bytes: chunk size of compressed datasets.
         thread_count: files each rank writes, each by its own thread (DCP's meaning).
         sync_files: ``fsync`` every file, the index and the directory (as FileSystemWriter).
+        direct: write tensor data with ``O_DIRECT`` (see :class:`tensorstore_h5.Writer`); None
+            (default): when ``sync_files`` is set.
         metadata: user metadata (a JSON object) kept in the index.
         overwrite: False refuses a directory that already holds a checkpoint.
         cache_staged_state_dict: for ``dcp.async_save``, keep the CPU copy between saves.
@@ -147,7 +149,7 @@ class H5StorageWriter(StorageWriter, BlockingAsyncStager):
     def __init__(self, path: str | os.PathLike[str], *, compression: Compression = None,
                  chunk_bytes: int | None = None, thread_count: int = 1, sync_files: bool = True,
                  metadata: Mapping[str, Any] | None = None, overwrite: bool = True,
-                 cache_staged_state_dict: bool = False) -> None:
+                 cache_staged_state_dict: bool = False, direct: bool | None = None) -> None:
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         if thread_count < 1:
@@ -157,6 +159,7 @@ class H5StorageWriter(StorageWriter, BlockingAsyncStager):
         self.chunk_bytes = chunk_bytes
         self.thread_count = thread_count
         self.sync_files = sync_files
+        self.direct = direct
         self.overwrite = overwrite
         self.metadata = dict(metadata or {})
         fmt.check_metadata(self.metadata)
@@ -354,7 +357,7 @@ class H5StorageWriter(StorageWriter, BlockingAsyncStager):
         written: list[tuple[WriteItem | None, str, tuple[int, ...], int]] = []
         used: set[str] = set()
         with Writer(path, compression=self.compression, chunk_bytes=self.chunk_bytes, sync=self.sync_files,
-                    metadata={"save_id": self._save_id, **({"rank": self.rank} if self.rank is not None else {})}) as w:
+                    direct=self.direct, metadata={"save_id": self._save_id, **({"rank": self.rank} if self.rank is not None else {})}) as w:
             for item in items:
                 kp = key_path(item.index.fqn, mappings)
                 key = kp

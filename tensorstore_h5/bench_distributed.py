@@ -11,8 +11,9 @@ then ``dcp.save`` is timed between two barriers; then ``dcp.load`` into prealloc
 the same placement (files in the page cache: a warm load), then into ``Shard(1)`` DTensors (a
 resharding load). Both writers run with ``sync_files=False`` (page cache, no fsync) and one
 thread per rank, or with ``sync_files=True`` (DCP's default: every file fsynced; tensorstore_h5
-then writes tensor data with ``O_DIRECT``, so its loads that follow read from the disk while
-FileSystemReader's find the page cache). GB/s = global bytes / slowest rank's time.
+then writes tensor data with ``O_DIRECT``, which leaves none of it in the page cache, so both
+backends' loads then start from a dropped page cache: root). GB/s = global bytes / slowest
+rank's time.
 
     python -m tensorstore_h5.bench_distributed --size-gb 1.07 --repeat 3
 """
@@ -83,6 +84,14 @@ def _worker(rank: int, world: int, port: int, size: int, keys: int, repeat: int,
                            for k, v in state["model"].items()}}
         times: dict[str, dict[str, list[float]]] = {b: {"save": [], "load": [], RESHARD: []} for b in BACKENDS}
 
+        def cold(rank: int) -> None:
+            """With sync_files, loads start from a dropped page cache for both backends (the
+            O_DIRECT save leaves none of its bytes cached, FileSystemWriter's all of them)."""
+            if sync_files:
+                if rank == 0:
+                    _drop_page_cache()
+                dist.barrier()
+
         def timed(fn: Callable[[], Any]) -> float:
             dist.barrier()
             t0 = time.perf_counter()
@@ -111,7 +120,9 @@ def _worker(rank: int, world: int, port: int, size: int, keys: int, repeat: int,
                     def reader() -> Any:
                         return dcp.FileSystemReader(path)
                 times[backend]["save"].append(timed(lambda: dcp.save(state, storage_writer=writer())))
+                cold(rank)
                 times[backend]["load"].append(timed(lambda: dcp.load(same, storage_reader=reader())))
+                cold(rank)
                 times[backend][RESHARD].append(timed(lambda: dcp.load(other, storage_reader=reader())))
                 if r == 0:  # the loads are right
                     for k, v in state["model"].items():
@@ -124,6 +135,17 @@ def _worker(rank: int, world: int, port: int, size: int, keys: int, repeat: int,
                 json.dump({"bytes": nbytes, "times": times}, f)
     finally:
         dist.destroy_process_group()
+
+
+def _drop_page_cache() -> None:
+    """Write back and drop the page cache (root); otherwise say so once and go on."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+    except OSError as e:
+        print(f"bench --distributed: cannot drop the page cache ({e}); loads are warm for FileSystemReader",
+              file=sys.stderr)
 
 
 def _free_port() -> int:
@@ -151,7 +173,8 @@ def run(size_gb: float = 2**30 / 1e9, keys: int = 64, repeat: int = 3, ranks: Se
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir=directory, prefix="th5-bench-dcp-") as root:
         echo(f"DCP save/load of {size / 1e9:.2f} GB in {keys} tensors (DTensor Shard(0)), {repeat} round(s), "
-             f"sync_files={sync_files}, settle {settle:g} s; {os.cpu_count()} cores, torch {torch.__version__}")
+             f"sync_files={sync_files}{' (loads cold)' if sync_files else ''}, settle {settle:g} s; {os.cpu_count()} "
+             f"cores, torch {torch.__version__}")
         for world in ranks:
             result = os.path.join(root, f"result{world}.json")
             mp.spawn(_worker, args=(world, _free_port(), size, keys, repeat, root, settle, result, sync_files), nprocs=world,

@@ -713,3 +713,36 @@ def test_load_into_device_targets_from_a_directory_go_through_the_staging_buffer
     assert targets["model"]["e"].data_ptr() == ptr and torch.equal(targets["model"]["e"], e)
     assert torch.equal(targets["model"]["b"], torch.arange(8.0, dtype=torch.float64))
     assert len(staged_cpu) == 1 and sum(staged_cpu[0].uses) == 1  # 256 kB of 'e' in one buffer; 'b' cast on the host
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_reads_of_a_cold_file_run_on_more_threads(tmp_path, monkeypatch, cached) -> None:
+    """A directory read whose first large region is not in the page cache runs on
+    io.COLD_IO_THREADS threads (more reads in flight for the disk), a cached one on
+    io.IO_THREADS; small reads are not probed. The bytes are right either way."""
+    from tensorstore_h5 import io
+    from tensorstore_h5.dtypes import spec_for_torch
+    from tensorstore_h5.sharded.reads import Loc, Reads
+    from tensorstore_h5.slicing import whole
+
+    monkeypatch.setattr(io, "COLD_IO_THREADS", io.IO_THREADS + 2)
+    src = torch.randn(5 * 2**20 + 3, generator=torch.Generator().manual_seed(2))  # ~20 MiB
+    (tmp_path / "raw.bin").write_bytes(bytes(4096) + src.numpy().tobytes())
+    probed = []
+    monkeypatch.setattr(io.RawFile, "cached", lambda self, ranges, probes=8: probed.append(ranges) or cached)
+    raw = io.RawFile(str(tmp_path / "raw.bin"))
+    try:
+        loc = Loc(str(tmp_path / "raw.bin"), "x", raw=raw, offset=4096)
+        small = Reads()
+        out = torch.empty(1000)
+        small.region(loc, (1000,), spec_for_torch(torch.float32), whole((1000,)), out)
+        small.run()
+        assert probed == [] and torch.equal(out, src[:1000])
+        reads = Reads()
+        out = torch.empty_like(src)
+        reads.region(loc, tuple(src.shape), spec_for_torch(torch.float32), whole(tuple(src.shape)), out)
+        assert reads.plan._threads == (io.IO_THREADS if cached else io.COLD_IO_THREADS)
+        reads.run()
+        assert probed == [[(4096, src.nbytes)]] and torch.equal(out, src)
+    finally:
+        raw.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -172,11 +173,14 @@ class Reads:
 
     Raw reads are queued as jobs of about :data:`io.PIECE_BYTES` each; destinations that are not
     contiguous CPU tensors of the stored dtype are read into a temporary and copied after
-    :meth:`run` (cast like ``copy_``)."""
+    :meth:`run` (cast like ``copy_``). When the first raw region of at least two pieces is not
+    in the page cache (:meth:`io.RawFile.cached`), the reads run on :data:`io.COLD_IO_THREADS`
+    threads, as a cold load of one file does: more reads in flight keep the disk busy."""
 
     def __init__(self) -> None:
         self.plan = io.ReadPlan(None)  # type: ignore[arg-type]  # jobs only: each names its own file
         self.posts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._probed = False
 
     def region(self, loc: Loc, shape: tuple[int, ...], spec: DtypeSpec, sel: Selection, dest: torch.Tensor) -> None:
         """Read ``sel`` (a box or strided selection, ``sel.shape == sel.count``) of the stored
@@ -201,6 +205,10 @@ class Reads:
         assert raw is not None
         strides = contiguous_stride(shape)
         wrap = functools.partial(_keyed, loc)
+        if not self._probed and buf.numel() * itemsize >= 2 * io.PIECE_BYTES:  # reads that several threads share
+            self._probed = True
+            if not raw.cached([(base, math.prod(shape) * itemsize)]) and not self.plan.nbytes:
+                self.plan = io.ReadPlan(None, io.COLD_IO_THREADS)  # type: ignore[arg-type]
         if sel.contiguous_rows:
             first = base + sum(a * s for a, s in zip(sel.start, strides)) * itemsize
             view = io.tensor_buffer(buf)

@@ -1214,7 +1214,8 @@ def run_args(a: Any) -> int:
         from .bench_distributed import run as run_distributed
 
         rows = run_distributed(2**30 / 1e9 if a.size_gb == 2.0 else a.size_gb, 64 if a.keys == 300 else a.keys, a.repeat,
-                               tuple(int(r) for r in a.ranks.split(",")), a.dir, a.settle, sync_files=a.sync_files)
+                               tuple(int(r) for r in a.ranks.split(",")), a.dir, a.settle, sync_files=a.sync_files,
+                               cold_loads=a.cold_loads)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"machine": _machine(), "rows": rows}, f, indent=1)

@@ -11,9 +11,10 @@ then ``dcp.save`` is timed between two barriers; then ``dcp.load`` into prealloc
 the same placement (files in the page cache: a warm load), then into ``Shard(1)`` DTensors (a
 resharding load). Both writers run with ``sync_files=False`` (page cache, no fsync) and one
 thread per rank, or with ``sync_files=True`` (DCP's default: every file fsynced; tensorstore_h5
-then writes tensor data with ``O_DIRECT``, which leaves none of it in the page cache, so both
-backends' loads then start from a dropped page cache: root). GB/s = global bytes / slowest
-rank's time.
+then writes tensor data with ``O_DIRECT``, which leaves none of it in the page cache). Before
+every load, rank 0 reads each file of the checkpoint once, untimed, so both backends load warm
+(``cold_loads``: it drops the page cache instead, root). GB/s = global bytes / slowest rank's
+time.
 
     python -m tensorstore_h5.bench_distributed --size-gb 1.07 --repeat 3
 """
@@ -58,7 +59,7 @@ def _tensors(size: int, keys: int) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, port: int, size: int, keys: int, repeat: int, root: str, settle: float,
-            result: str, sync_files: bool = False) -> None:
+            result: str, sync_files: bool = False, cold_loads: bool = False) -> None:
     import datetime
 
     import torch
@@ -84,13 +85,16 @@ def _worker(rank: int, world: int, port: int, size: int, keys: int, repeat: int,
                            for k, v in state["model"].items()}}
         times: dict[str, dict[str, list[float]]] = {b: {"save": [], "load": [], RESHARD: []} for b in BACKENDS}
 
-        def cold(rank: int) -> None:
-            """With sync_files, loads start from a dropped page cache for both backends (the
-            O_DIRECT save leaves none of its bytes cached, FileSystemWriter's all of them)."""
-            if sync_files:
-                if rank == 0:
+        def before_load(rank: int, path: str) -> None:
+            """Both backends' loads start alike: from a dropped page cache (cold_loads) or with
+            every file of the checkpoint read once, untimed (an O_DIRECT save leaves none of its
+            bytes cached, FileSystemWriter's all of them)."""
+            if rank == 0:
+                if cold_loads:
                     _drop_page_cache()
-                dist.barrier()
+                else:
+                    _read_directory(path)
+            dist.barrier()
 
         def timed(fn: Callable[[], Any]) -> float:
             dist.barrier()
@@ -120,9 +124,9 @@ def _worker(rank: int, world: int, port: int, size: int, keys: int, repeat: int,
                     def reader() -> Any:
                         return dcp.FileSystemReader(path)
                 times[backend]["save"].append(timed(lambda: dcp.save(state, storage_writer=writer())))
-                cold(rank)
+                before_load(rank, path)
                 times[backend]["load"].append(timed(lambda: dcp.load(same, storage_reader=reader())))
-                cold(rank)
+                before_load(rank, path)
                 times[backend][RESHARD].append(timed(lambda: dcp.load(other, storage_reader=reader())))
                 if r == 0:  # the loads are right
                     for k, v in state["model"].items():
@@ -135,6 +139,14 @@ def _worker(rank: int, world: int, port: int, size: int, keys: int, repeat: int,
                 json.dump({"bytes": nbytes, "times": times}, f)
     finally:
         dist.destroy_process_group()
+
+
+def _read_directory(path: str) -> None:
+    """Read every file of ``path`` once (into the page cache)."""
+    for name in sorted(os.listdir(path)):
+        with open(os.path.join(path, name), "rb", buffering=0) as f:
+            while f.read(8 << 20):
+                pass
 
 
 def _drop_page_cache() -> None:
@@ -156,7 +168,8 @@ def _free_port() -> int:
 
 def run(size_gb: float = 2**30 / 1e9, keys: int = 64, repeat: int = 3, ranks: Sequence[int] = (1, 2),
         directory: str | None = None, settle: float | None = None,
-        echo: Callable[[str], None] = print, sync_files: bool = False) -> list[dict[str, Any]]:
+        echo: Callable[[str], None] = print, sync_files: bool = False, cold_loads: bool = False
+        ) -> list[dict[str, Any]]:
     """Run the benchmark and print its table; returns one row per (ranks, backend, operation)
     with ``best_gbps``, ``median_gbps`` and the ``seconds`` of every round."""
     import torch
@@ -173,12 +186,12 @@ def run(size_gb: float = 2**30 / 1e9, keys: int = 64, repeat: int = 3, ranks: Se
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir=directory, prefix="th5-bench-dcp-") as root:
         echo(f"DCP save/load of {size / 1e9:.2f} GB in {keys} tensors (DTensor Shard(0)), {repeat} round(s), "
-             f"sync_files={sync_files}{' (loads cold)' if sync_files else ''}, settle {settle:g} s; {os.cpu_count()} "
+             f"sync_files={sync_files}, loads {'cold' if cold_loads else 'warm'}, settle {settle:g} s; {os.cpu_count()} "
              f"cores, torch {torch.__version__}")
         for world in ranks:
             result = os.path.join(root, f"result{world}.json")
-            mp.spawn(_worker, args=(world, _free_port(), size, keys, repeat, root, settle, result, sync_files), nprocs=world,
-                     join=True)
+            mp.spawn(_worker, args=(world, _free_port(), size, keys, repeat, root, settle, result, sync_files, cold_loads),
+                     nprocs=world, join=True)
             with open(result) as f:
                 data = json.load(f)
             for backend in BACKENDS:
@@ -216,6 +229,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--settle", type=float, default=None, help="seconds to wait after emptying a directory")
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.add_argument("--sync-files", action="store_true", help="both writers fsync every file (DCP's default)")
+    p.add_argument("--cold-loads", action="store_true", help="drop the page cache before every load (root)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -223,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(p)
     a = p.parse_args(argv)
     rows = run(a.size_gb, a.keys, a.repeat, tuple(int(r) for r in a.ranks.split(",")), a.dir, a.settle,
-               sync_files=a.sync_files)
+               sync_files=a.sync_files, cold_loads=a.cold_loads)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -292,6 +292,28 @@ def _direct_state() -> dict[str, torch.Tensor]:
             "under": torch.randn(2**18 - 1, generator=g), "t": torch.randn(1024, 700, generator=g).t()}
 
 
+def _failing_direct_writes(monkeypatch: pytest.MonkeyPatch, code: int) -> set[int]:
+    """Make every write to an O_DIRECT descriptor that DirectWrites opens fail with errno
+    ``code``; returns the set those descriptors are added to."""
+    real_pwrite, real_open = os.pwrite, io.DirectWrites.open
+    direct_fds: set[int] = set()
+
+    def track(cls, path, fd):
+        d = real_open(path, fd)
+        if d is not None:
+            direct_fds.add(d._dfd)
+        return d
+
+    def failing(fd, data, offset):
+        if fd in direct_fds:
+            raise OSError(code, os.strerror(code))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(io.DirectWrites, "open", classmethod(track))
+    monkeypatch.setattr(os, "pwrite", failing)
+    return direct_fds
+
+
 def test_direct_writes_round_trip_and_bypass_the_buffered_descriptor(tmp_path, monkeypatch) -> None:
     made = []
     real_open = io.DirectWrites.open
@@ -333,50 +355,18 @@ def test_a_file_system_without_o_direct_gets_buffered_writes(tmp_path, monkeypat
     th5.save(sd, tmp_path / "a.h5", direct=True)
     monkeypatch.setattr(os, "open", real_open)
     assert_same(th5.load(tmp_path / "a.h5", verify=True), sd)
-    real_pwrite = os.pwrite
-    direct_fds: set[int] = set()
-    real_direct_open = io.DirectWrites.open
-
-    def track(cls, path, fd):
-        d = real_direct_open(path, fd)
-        if d is not None:
-            direct_fds.add(d._dfd)
-        return d
-
-    def einval(fd, data, offset):
-        if fd in direct_fds:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_pwrite(fd, data, offset)
-
-    monkeypatch.setattr(io.DirectWrites, "open", classmethod(track))
-    monkeypatch.setattr(os, "pwrite", einval)
-    th5.save(sd, tmp_path / "b.h5", direct=True)
-    monkeypatch.setattr(os, "pwrite", real_pwrite)
+    with monkeypatch.context() as m:
+        _failing_direct_writes(m, errno.EINVAL)
+        th5.save(sd, tmp_path / "b.h5", direct=True)
     assert_same(th5.load(tmp_path / "b.h5", verify=True), sd)
 
 
 def test_a_failed_direct_write_fails_the_save_and_keeps_the_earlier_file(tmp_path, monkeypatch) -> None:
     th5.save({"old": torch.ones(2)}, tmp_path / "f.h5")
-    real_pwrite = os.pwrite
-    real_direct_open = io.DirectWrites.open
-    direct_fds: set[int] = set()
-
-    def track(cls, path, fd):
-        d = real_direct_open(path, fd)
-        if d is not None:
-            direct_fds.add(d._dfd)
-        return d
-
-    def eio(fd, data, offset):
-        if fd in direct_fds:
-            raise OSError(errno.EIO, "Input/output error")
-        return real_pwrite(fd, data, offset)
-
-    monkeypatch.setattr(io.DirectWrites, "open", classmethod(track))
-    monkeypatch.setattr(os, "pwrite", eio)
-    with pytest.raises(th5.WriteError):
-        th5.save(_direct_state(), tmp_path / "f.h5", direct=True)
-    monkeypatch.setattr(os, "pwrite", real_pwrite)
+    with monkeypatch.context() as m:
+        direct_fds = _failing_direct_writes(m, errno.EIO)
+        with pytest.raises(th5.WriteError):
+            th5.save(_direct_state(), tmp_path / "f.h5", direct=True)
     if direct_fds:
         assert_same(th5.load(tmp_path / "f.h5"), {"old": torch.ones(2)})
         assert sorted(os.listdir(tmp_path)) == ["f.h5"]

@@ -664,6 +664,7 @@ class DirectWrites:
         except OSError as err:
             if err.errno != errno.EINVAL:
                 raise
+            buf.release()
             self.close()  # the file system refuses these writes after all: the rest goes buffered
             pwrite_all(self._fd, view[pos - offset:e - offset], pos)
         finally:

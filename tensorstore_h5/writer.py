@@ -290,8 +290,10 @@ class Writer:
             raise self._failed("", e) from e
         self._file: h5py.File | None = file
         self._replaced = _Replaced(self._target)
-        self._direct = io.DirectWrites.open(self._tmp, self._fd) if (sync if direct is None else direct) else None
+        self._direct: io.DirectWrites | None = None
         self._finalizer = weakref.finalize(self, _discard, self._file, self._tmp, self._fd, self._replaced)
+        if (sync if direct is None else direct):  # O_DIRECT by default only where the bytes must reach the disk
+            self._direct = io.DirectWrites.open(self._tmp, self._fd)
         self._entries: list[Entry] = [Container("", None, "dict")]
         self._index: dict[str, Entry] = {"": self._entries[0]}
         self._aliases: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], str]] = {}

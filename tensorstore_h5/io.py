@@ -38,7 +38,8 @@ from .slicing import Selection, has_gaps, rows, stride_span
 __all__ = [
     "BLOCK_BYTES", "WRITE_CALL_BYTES", "IO_THREADS", "COLD_IO_THREADS", "PIECE_BYTES", "MAP_MIN_BYTES", "HUGEPAGES",
     "HUGEPAGE_MIN_BYTES", "GATHER_WINDOW", "tensor_bytes", "tensor_buffer", "pwrite_all", "empty", "read_hdf5",
-    "write_hdf5", "write_tensor", "row_blocks", "restore_layout", "gather", "RawFile", "FileMap", "ReadPlan", "run_jobs", "submit_jobs", "wait_all", "DirectWrites",
+    "write_hdf5", "write_tensor", "row_blocks", "restore_layout", "gather", "RawFile", "FileMap", "ReadPlan", "run_jobs",
+    "submit_jobs", "wait_all", "DIRECT_ALIGN", "DIRECT_MIN_BYTES", "DIRECT_BUFFER_BYTES", "DirectWrites",
     "SPLIT_MIN_BYTES", "pread_split", "gc_paused",
 ]
 

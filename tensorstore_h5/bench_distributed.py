@@ -150,7 +150,7 @@ def _read_directory(path: str) -> None:
 
 
 def _drop_page_cache() -> None:
-    """Write back and drop the page cache (root); otherwise say so once and go on."""
+    """Write back and drop the page cache (root); otherwise say so on stderr and go on."""
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:

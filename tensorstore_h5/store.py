@@ -200,7 +200,7 @@ class Store:
         self._container_paths = self._layout.container_paths
         self._located: dict[tuple[str, int | None], fmt.Extent | HDF5Read] = {}  # format 1 / foreign: checked locations
         self._pack_len: dict[str, int] = {}
-        self._stagers: dict[torch.device, Any] = {}  # device -> transfer.Stager, made on first use
+        self._stagers = transfer.Stagers()
 
     def _open(self, raw: Any) -> Layout:
         head = raw.head(fmt.HEADER_SIZE)
@@ -484,7 +484,7 @@ class Store:
 
         for dev in dict.fromkeys(t.device for _, t in pairs):
             mine = [(t, filler(e)) for e, t in pairs if t.device == dev]
-            self._stager(dev).copy_many(mine, lambda t: done(of[id(t)]))
+            self._stagers[dev].copy_many(mine, lambda t: done(of[id(t)]))
 
     def _fetched(self, entries: list[Any], direct: Callable[[Any], bool] | None = None
                  ) -> Iterator[tuple[list[Any], dict[str, torch.Tensor]]]:
@@ -834,12 +834,6 @@ class Store:
         except ValueError as e:
             raise FormatError(f"{self.path}: key {entry.path!r}: {e}") from e
 
-    def _stager(self, device: torch.device) -> Any:
-        stager = self._stagers.get(device)
-        if stager is None:
-            stager = self._stagers[device] = transfer.Stager(device)
-        return stager
-
     def _hdf5_read(self, entry: TensorEntry, where: HDF5Read, sel: Selection, dest: torch.Tensor) -> None:
         """HDF5's own read of ``sel`` into ``dest`` (compact data, HDF5's filters, conversion;
         a version-1 packed tensor is the range of its pack at its offset)."""
@@ -943,9 +937,9 @@ class Store:
                 align = reader.chunk_bytes if reader is not None else 1
                 stage = lambda off, buf: fetch(skip + off, io.tensor_buffer(buf))  # noqa: E731
             elif isinstance(where, HDF5Read):
-                stage, align = self._hdf5_rows(entry, where, sel, self._stager(out.device).block_bytes)
+                stage, align = self._hdf5_rows(entry, where, sel, self._stagers[out.device].block_bytes)
             if stage is not None:
-                self._keyed(lambda: self._stager(out.device).copy(out, stage, entry.path, align=align), entry)()
+                self._keyed(lambda: self._stagers[out.device].copy(out, stage, entry.path, align=align), entry)()
                 return out
         direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
         dest = out if direct else self._empty(entry, sel.shape)

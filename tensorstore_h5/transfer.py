@@ -19,7 +19,7 @@ import torch
 from . import io
 from .errors import TensorStoreError
 
-__all__ = ["STAGING_BUFFERS", "STAGING_BYTES", "GDS", "Fill", "Stager", "batched", "device_empty", "gds_read"]
+__all__ = ["STAGING_BUFFERS", "STAGING_BYTES", "GDS", "Fill", "Stager", "Stagers", "batched", "device_empty", "gds_read"]
 
 STAGING_BUFFERS = 2
 """Number of host staging buffers (made on first use). With many tensors packed per buffer,
@@ -206,6 +206,14 @@ class Stager:
         """The (offset, size) blocks that :meth:`copy` uses for a tensor of ``nbytes`` bytes."""
         block = self.block_size(align)
         return [(s, min(block, nbytes - s)) for s in range(0, nbytes, block)]
+
+
+class Stagers(dict):  # type: ignore[type-arg]  # torch.device -> Stager
+    """The staging buffers of each device a store loads to, made on first use: ``stagers[dev]``."""
+
+    def __missing__(self, device: torch.device) -> Stager:
+        stager = self[device] = Stager(device)
+        return stager
 
 
 def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Any, key: str) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 
 import tensorstore_h5 as th5
 from helpers import assert_same
-from tensorstore_h5 import sharded, tree
+from tensorstore_h5 import sharded, transfer, tree
 from tensorstore_h5.sharded import ShardedStore
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -655,8 +655,13 @@ def staged_cpu(monkeypatch):
                         else real(self, device, key))
     monkeypatch.setattr(sstore, "_staged", lambda dev: True)
     made = []
-    real_stager = ShardedStore._stager
-    monkeypatch.setattr(ShardedStore, "_stager", lambda self, dev: made.append(real_stager(self, dev)) or made[-1])
+
+    class Recorded(transfer.Stager):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(transfer, "Stager", Recorded)  # what transfer.Stagers makes
     return made
 
 
@@ -746,3 +751,4 @@ def test_reads_of_a_cold_file_run_on_more_threads(tmp_path, monkeypatch, cached)
         assert probed == [[(4096, src.nbytes)]] and torch.equal(out, src)
     finally:
         raw.close()
+

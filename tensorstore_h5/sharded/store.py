@@ -147,7 +147,7 @@ class ShardedStore:
                                   "model.safetensors")
         self.index_path = self._layout.path
         self._closed = False
-        self._stagers: dict[torch.device, transfer.Stager] = {}
+        self._stagers = transfer.Stagers()
 
     def _read_ours(self, name: str) -> DirectoryIndex:
         try:
@@ -283,17 +283,14 @@ class ShardedStore:
                 if isinstance(entry, Container):
                     items.append(entry)
                 elif isinstance(entry, ShardedTensorEntry):
-                    self._check_device(device, entry.path)
-                    dev = self._device(device, entry.path)
+                    dev = self._check_device(device, entry.path)
                     if verify:
                         self._verify(entry)
                     parts = self._stageable(entry) if dev is not None and _staged(dev) and transfer.batched() else None
                     if parts is not None:
                         assert dev is not None
                         t = transfer.device_empty(entry.shape, entry.dtype.torch_dtype, dev, entry.path)
-                        if parts:  # (none for a tensor without elements)
-                            rows = t.reshape(t.shape[0] if t.dim() else 1, -1)
-                            staged.setdefault(dev, []).extend((rows[a:b], fill) for a, b, fill in parts)
+                        _queue_rows(staged, t, parts)
                     else:
                         t = self._empty(entry, entry.shape)
                         self._fill(entry, select_index((), entry.shape), t, reads)
@@ -305,8 +302,7 @@ class ShardedStore:
                 else:
                     items.append(Leaf(entry.path, entry.key, self._read_leaf(entry, device, verify)))
             reads.run()
-            for dev, parts in staged.items():
-                self._stager(dev).copy_many(parts, lambda part: bar.update(part.numel() * part.element_size()))
+            self._copy_staged(staged, bar)
         finally:
             bar.close()
         for i, entry, t in pending:
@@ -333,12 +329,10 @@ class ShardedStore:
             parts.append((first, first + rows, fill))
         return parts
 
-    def _stager(self, dev: torch.device) -> transfer.Stager:
-        """The staging buffers of ``dev``, made once per store."""
-        stager = self._stagers.get(dev)
-        if stager is None:
-            stager = self._stagers[dev] = transfer.Stager(dev)
-        return stager
+    def _copy_staged(self, staged: dict[torch.device, list[tuple[torch.Tensor, transfer.Fill]]], bar: Progress) -> None:
+        """Run the copies :func:`_queue_rows` queued, through each device's staging buffers."""
+        for dev, parts in staged.items():
+            self._stagers[dev].copy_many(parts, lambda part: bar.update(part.numel() * part.element_size()))
 
     def _read_leaf(self, entry: DirEntry, device: Device, verify: bool) -> Any:
         if isinstance(entry, ValueEntry):
@@ -372,11 +366,13 @@ class ShardedStore:
             result = result[int(name)] if kind in (list, tuple) else _child(result, name)
         return result
 
-    def _check_device(self, device: Device, key: str) -> None:
+    def _check_device(self, device: Device, key: str) -> torch.device | None:
+        """The device of ``key`` (None: the CPU), checked to be usable."""
         dev = self._device(device, key)
         if dev is not None and dev.type == "cuda" and not torch.cuda.is_available():
             raise TensorStoreError(f"{self.path}: key {key!r}: device {str(dev)!r} is not available (this torch has no "
                                    "usable CUDA device)")
+        return dev
 
     def _device(self, device: Device, key: str) -> torch.device | None:
         from ..store import _device_for
@@ -461,9 +457,7 @@ class ShardedStore:
                 parts = self._stageable(entry) if _staged(target.device) and target.is_contiguous() and \
                     target.dtype == entry.dtype.torch_dtype and transfer.batched() else None
                 if parts is not None:  # device targets: straight from the files through the staging buffers
-                    if parts:
-                        rows = target.detach().reshape(target.shape[0] if target.dim() else 1, -1)
-                        staged.setdefault(target.device, []).extend((rows[a:b], fill) for a, b, fill in parts)
+                    _queue_rows(staged, target.detach(), parts)
                     continue
                 self._fill(entry, select_index((), entry.shape), target, reads)
                 queued += entry.nbytes
@@ -473,8 +467,7 @@ class ShardedStore:
                     reads, queued = Reads(), 0
             reads.run()
             bar.update(queued)
-            for dev, staged_parts in staged.items():
-                self._stager(dev).copy_many(staged_parts, lambda part: bar.update(part.numel() * part.element_size()))
+            self._copy_staged(staged, bar)
         finally:
             bar.close()
 
@@ -581,6 +574,15 @@ class ShardedStore:
         state = ", closed" if self._closed else ""
         return (f"<tensorstore_h5.ShardedStore {self.path!r} ({self.kind}, {len(self._layout.files)} files, {len(self)} "
                 f"keys, {n_t} tensors, {human_bytes(self.nbytes)}{state})>")
+
+
+def _queue_rows(staged: dict[torch.device, list[tuple[torch.Tensor, transfer.Fill]]], dest: torch.Tensor,
+                parts: list[tuple[int, int, transfer.Fill]]) -> None:
+    """Queue in ``staged`` the fill of each ``(first row, end row, fill)`` part of the
+    contiguous tensor ``dest`` (:meth:`ShardedStore._stageable`)."""
+    if parts:  # (none for a tensor without elements)
+        rows = dest.reshape(dest.shape[0] if dest.dim() else 1, -1)
+        staged.setdefault(dest.device, []).extend((rows[a:b], fill) for a, b, fill in parts)
 
 
 def _staged(dev: torch.device) -> bool:

@@ -752,3 +752,12 @@ def test_reads_of_a_cold_file_run_on_more_threads(tmp_path, monkeypatch, cached)
     finally:
         raw.close()
 
+
+def test_a_device_callable_is_asked_once_per_key(tmp_path) -> None:
+    """load and items of a directory ask a callable device= once per key, as a file's do."""
+    path, _ = _four_rank_dir(tmp_path)
+    for read in (lambda s, d: s.load(device=d), lambda s, d: dict(s.items(device=d))):
+        asked: list[str] = []
+        with ShardedStore(path) as s:
+            read(s, lambda key: asked.append(key) or "cpu")
+        assert sorted(asked) == ["model/b", "model/e"]

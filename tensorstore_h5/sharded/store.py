@@ -17,7 +17,7 @@ from ..errors import FormatError, KeyNotFoundError, MismatchError, TensorStoreEr
 from ..format import ValueEntry
 from ..select import Selector, closest, resolve
 from ..slicing import Selection, contiguous_stride, select as select_index
-from ..store import EntryView
+from ..store import EntryView, _asked_once
 from ..tree import Container, Leaf
 from .index import (
     DCP_METADATA, DirectoryIndex, DirEntry, HF_INDEX_SUFFIX, INDEX_NAME, INDEX_VERSION, PathLike, Piece, RANK_INDEX,
@@ -254,6 +254,7 @@ class ShardedStore:
         """Yield ``(key path, value)`` of the selected leaves one at a time, in saved order (each
         tensor read from its pieces when it is reached; nothing is kept)."""
         included = resolve(select, self._layout.leaf_paths, self._layout.container_paths, self.path)
+        device = _asked_once(device)  # looked up when checked and again when placed
         for entry in self._layout.select(included):
             if not isinstance(entry, Container):
                 yield entry.path, self._read_leaf(entry, device, verify)
@@ -272,6 +273,7 @@ class ShardedStore:
         """
         included = resolve(select, self._layout.leaf_paths, self._layout.container_paths, self.path)
         entries = self._layout.select(included)
+        device = _asked_once(device)  # looked up when checked and again when placed
         bar = Progress(progress, desc=f"loading {os.path.basename(self.path.rstrip('/'))}")
         bar.total(sum(e.nbytes for e in entries if isinstance(e, (ShardedTensorEntry, ShardedArrayEntry))))
         items: list[Any] = []

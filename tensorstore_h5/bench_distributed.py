@@ -143,21 +143,20 @@ def _worker(rank: int, world: int, port: int, size: int, keys: int, repeat: int,
 
 def _read_directory(path: str) -> None:
     """Read every file of ``path`` once (into the page cache)."""
+    from .bench import _read_file
+
     for name in sorted(os.listdir(path)):
-        with open(os.path.join(path, name), "rb", buffering=0) as f:
-            while f.read(8 << 20):
-                pass
+        _read_file(os.path.join(path, name), direct=False)
 
 
 def _drop_page_cache() -> None:
     """Write back and drop the page cache (root); otherwise say so on stderr and go on."""
-    os.sync()
+    from .bench import Skip, _drop_caches
+
     try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-    except OSError as e:
-        print(f"bench --distributed: cannot drop the page cache ({e}); loads are warm for FileSystemReader",
-              file=sys.stderr)
+        _drop_caches()
+    except Skip as e:
+        print(f"bench --distributed: {e}; loads are warm for FileSystemReader", file=sys.stderr)
 
 
 def _free_port() -> int:

@@ -61,6 +61,16 @@ def child(what: str) -> None:
         print(f"  read 512 MiB alone {alone * 1e3:.1f} ms; pin 128 MiB {pin * 1e3:.1f} ms while reading, both done "
               f"{both * 1e3:.1f} ms (overlapped if close to max, not the sum) {pinned.numel()}")
         return
+    if what.startswith("first"):  # the first load in a fresh process: staging NxMiB, growing from F MiB when +F
+        cfg = what.split(":")[1]
+        cfg, _, first = cfg.partition("+")
+        nb, sz = cfg.split("x")
+        transfer.STAGING_BUFFERS, transfer.STAGING_BYTES = int(nb), int(sz) << 20
+        transfer.STAGING_FIRST_BYTES = int(first or 0) << 20
+        s0, _ = timed(lambda: th5.load(PATH, device="cuda"))
+        s1, _ = timed(lambda: th5.load(PATH, device="cuda"))
+        print(f"  {what}: first call {s0 * 1e3:.1f} ms ({n / s0 / 1e9:.2f} GB/s), second {s1 * 1e3:.1f} ms")
+        return
     if what.startswith("load"):
         if ":" in what:
             nb, sz = what.split(":")[1].split("x")
@@ -100,7 +110,8 @@ def main() -> None:
     th5.save(sd, PATH)
     del sd
     print(f"file {os.path.getsize(PATH) / 1e9:.2f} GB, {os.cpu_count()} cores")
-    for what in ("alloc", "pinning", "load", "load:2x64", "load:4x64", "load:8x16", "into", "threads"):
+    firsts = [f"first:{c}" for c in ("2x64", "2x64+4", "2x64+16", "2x32", "2x16") for _ in range(2)]
+    for what in ("alloc", "pinning", *firsts, "load", "load:4x64", "into", "threads"):
         print(what)
         r = subprocess.run([sys.executable, __file__, "child", what], capture_output=True, text=True, timeout=200)
         print(r.stdout[-4000:], r.stderr[-1500:])

@@ -838,3 +838,6 @@ def test_cuda_tensors_save_and_load_through_dcp(tmp_path, device) -> None:
         s["w"].read(out=out, index=(slice(10, 20), slice(3, 9)))
     assert got["w"].device.type == device.type and torch.equal(got["w"].cpu(), sd["w"].cpu())
     assert torch.equal(part, sd["w"][10:20, 3:9].cpu()) and torch.equal(out.cpu(), part)
+    into = {"w": torch.zeros(64, 33, device=device), "b": torch.zeros(7, dtype=torch.bfloat16, device=device)}
+    th5.load_into(into, path, strict=False)  # "step" is not a target; the directory's whole-row pieces, staged into the device tensors
+    assert torch.equal(into["w"].cpu(), sd["w"].cpu()) and torch.equal(into["b"].cpu(), sd["b"].cpu())

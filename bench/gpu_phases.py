@@ -1,5 +1,6 @@
 """Where the time of load(device="cuda") goes, on a GPU machine: first and repeated calls,
-load_into, staging sizes, and a profile. Prints figures only; python bench/gpu_phases.py [GB]."""
+load_into, staging sizes, ways to pin, and a profile. Prints figures only;
+python bench/gpu_phases.py [GB [PHASE[@ENV=VALUE] ...]]."""
 from __future__ import annotations
 
 import cProfile
@@ -61,6 +62,39 @@ def child(what: str) -> None:
         print(f"  read 512 MiB alone {alone * 1e3:.1f} ms; pin 128 MiB {pin * 1e3:.1f} ms while reading, both done "
               f"{both * 1e3:.1f} ms (overlapped if close to max, not the sum) {pinned.numel()}")
         return
+    if what == "pinways":  # ways to get 2 x 64 MiB of page-locked memory the first time in a process
+        import mmap
+
+        mib = 64 << 20
+        s, bufs = timed(lambda: [torch.empty(mib, dtype=torch.uint8, pin_memory=True) for _ in range(2)])
+        print(f"  torch pin_memory (cudaHostAlloc) 2 x 64 MiB: {s * 1e3:.1f} ms")
+        src = bufs[0]
+        dst = torch.empty(mib, dtype=torch.uint8, device="cuda")
+        s, _ = timed(lambda: dst.copy_(src, non_blocking=True))
+        print(f"    H2D 64 MiB from it: {s * 1e3:.2f} ms")
+        cudart = torch.cuda.cudart()
+        for how in ("empty+fill", "empty+threads", "mmap+hugepage"):
+            t0 = time.perf_counter()
+            if how == "mmap+hugepage":
+                mm = mmap.mmap(-1, mib, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                mm.madvise(mmap.MADV_HUGEPAGE)
+                buf = torch.frombuffer(mm, dtype=torch.uint8)
+            else:
+                buf = torch.empty(mib, dtype=torch.uint8)
+            if how == "empty+threads":
+                step = mib // 8
+                io.run_jobs([lambda a=a: buf[a:a + step].fill_(0) for a in range(0, mib, step)])
+            else:
+                buf.fill_(0)
+            t1 = time.perf_counter()
+            err = cudart.cudaHostRegister(buf.data_ptr(), mib, 0)
+            t2 = time.perf_counter()
+            s, _ = timed(lambda: dst.copy_(buf, non_blocking=True))
+            print(f"  {how}: allocate+touch {1e3 * (t1 - t0):.1f} ms, cudaHostRegister {1e3 * (t2 - t1):.1f} ms "
+                  f"(rc {err}), is_pinned {buf.is_pinned()}, H2D 64 MiB {s * 1e3:.2f} ms, "
+                  f"equal {bool(torch.equal(dst[:4096].cpu(), buf[:4096]))}")
+            cudart.cudaHostUnregister(buf.data_ptr())
+        return
     if what.startswith("first"):  # the first load in a fresh process: staging NxMiB, growing from F MiB when +F
         cfg = what.split(":")[1]
         cfg, _, first = cfg.partition("+")
@@ -110,10 +144,14 @@ def main() -> None:
     th5.save(sd, PATH)
     del sd
     print(f"file {os.path.getsize(PATH) / 1e9:.2f} GB, {os.cpu_count()} cores")
-    firsts = [f"first:{c}" for c in ("2x64", "2x64+4", "2x64+16", "2x32", "2x16") for _ in range(2)]
-    for what in ("alloc", "pinning", *firsts, "load", "load:4x64", "into", "threads"):
+    firsts = [f"first:{c}" for c in ("2x64", "2x32", "2x16") for _ in range(2)]
+    whats = sys.argv[2:] or ("alloc", "pinning", "pinways", *firsts, "load", "load:4x64", "into", "threads")
+    for what in whats:  # NAME@ENV=VALUE runs phase NAME with that environment variable set
         print(what)
-        r = subprocess.run([sys.executable, __file__, "child", what], capture_output=True, text=True, timeout=200)
+        what, _, env = what.partition("@")
+        environ = dict(os.environ, **dict([env.split("=", 1)])) if env else None
+        r = subprocess.run([sys.executable, __file__, "child", what], capture_output=True, text=True, timeout=200,
+                           env=environ)
         print(r.stdout[-4000:], r.stderr[-1500:])
 
 

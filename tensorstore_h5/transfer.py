@@ -19,7 +19,7 @@ import torch
 from . import io
 from .errors import TensorStoreError
 
-__all__ = ["STAGING_BUFFERS", "STAGING_BYTES", "STAGING_FIRST_BYTES", "GDS", "Fill", "Stager", "Stagers", "batched", "device_empty", "gds_read"]
+__all__ = ["STAGING_BUFFERS", "STAGING_BYTES", "GDS", "Fill", "Stager", "Stagers", "batched", "device_empty", "gds_read"]
 
 STAGING_BUFFERS = 2
 """Number of host staging buffers (made on first use). With many tensors packed per buffer,
@@ -30,12 +30,6 @@ with 2 x 64 MiB, 82 ms with 4 x 64 MiB, 101 ms with 4 x 32 MiB and 131-147 ms wi
 
 STAGING_BYTES = 64 * 2**20
 """Size in bytes of each staging buffer."""
-
-STAGING_FIRST_BYTES = 0
-"""When > 0, the first load to a device in a process (staging buffers not yet made full size)
-packs at most this many bytes into its first buffer of :meth:`Stager.copy_many`, doubling
-each buffer after, so reads start after pinning a few MiB instead of a whole buffer (pinning
-costs ~0.5 ms per MiB the first time). 0: every buffer is full size from the start."""
 
 GDS: bool | None = None
 """GPUDirect Storage through ``kvikio``: None (default) uses it for contiguous uncompressed
@@ -99,7 +93,7 @@ class Stager:
         finished). Raises what a ``fill`` raises (once every read in flight has ended), or
         TensorStoreError when the device runs out of memory."""
         piece = max(io.SPLIT_MIN_BYTES, self.block_bytes // max(1, io.IO_THREADS))
-        size = self._fill_target(0)
+        size = self.block_bytes
         queued: list[tuple[torch.Tensor, torch.Tensor, Fill, int, int, int]] = []  # dest, flat, fill, start, at, n
         inflight: collections.deque[tuple[int, torch.Tensor, list[Future[None]], list[Any]]] = collections.deque()
         used = 0
@@ -115,7 +109,7 @@ class Stager:
                         done(dest)
 
         def flush() -> None:
-            nonlocal queued, used, blocks, size
+            nonlocal queued, used, blocks
             if not queued:
                 return
             slot = blocks % len(self._bufs)
@@ -126,7 +120,6 @@ class Stager:
                     for _, _, fill, start, at, n in queued for a in range(0, n, piece)]
             inflight.append((slot, buf, io.submit_jobs(jobs), queued))
             queued, used, blocks = [], 0, blocks + 1
-            size = self._fill_target(blocks)
 
         with self._oom("a batch of keys"), self._joined():
             try:
@@ -153,14 +146,6 @@ class Stager:
                         if not f.cancelled():
                             f.exception()
                 raise
-
-    def _fill_target(self, block: int) -> int:
-        """Bytes :meth:`copy_many` packs into its ``block``-th buffer: the buffer size, or
-        while that buffer is not yet made full size, :data:`STAGING_FIRST_BYTES` doubled per block."""
-        buf = self._bufs[block % len(self._bufs)]
-        if STAGING_FIRST_BYTES <= 0 or (buf is not None and buf.numel() >= self.block_bytes):
-            return self.block_bytes
-        return min(self.block_bytes, STAGING_FIRST_BYTES << min(block, 40))
 
     def _acquire(self, slot: int, nbytes: int) -> torch.Tensor:
         """Staging buffer ``slot``, holding at least ``nbytes`` (at most the buffer size), once

@@ -159,29 +159,6 @@ def test_staging_buffers_are_only_as_large_as_the_staged_bytes() -> None:
     assert bool((one == 1).all()) and fresh._bufs[0].numel() == 4 * 2**20 and fresh._bufs[1] is None
 
 
-def test_first_staged_buffers_grow_when_asked(monkeypatch) -> None:
-    """With STAGING_FIRST_BYTES, a stager's first buffers take 1, 2, 4 MiB... of the bytes (so
-    its first reads wait for a small pin only), full buffers once each is full size; every byte
-    still lands once. A second load through the same stager packs full buffers at once."""
-    monkeypatch.setattr("tensorstore_h5.transfer.STAGING_FIRST_BYTES", 2**20)
-    stager = Stager("cpu", buffers=2, buffer_bytes=8 * 2**20)
-    sent: list[int] = []
-    real = stager._send
-    monkeypatch.setattr(stager, "_send", lambda slot, copies: (sent.append(sum(s.numel() for _, s in copies)),
-                                                                real(slot, copies)))
-    src = torch.randint(0, 256, (30 * 2**20 + 7,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
-    parts = [src[:3 * 2**20], src[3 * 2**20:]]
-    dests = [torch.zeros_like(p) for p in parts]
-    stager.copy_many([(d, lambda off, buf, p=p: buf.copy_(p[off:off + buf.numel()])) for d, p in zip(dests, parts)])
-    assert all(torch.equal(d, p) for d, p in zip(dests, parts))
-    M = 2**20
-    assert sent[:4] == [M, 2 * M, 4 * M, 8 * M] and sum(sent) == src.numel()
-    assert [b.numel() for b in stager._bufs] == [8 * M, 8 * M]
-    sent.clear()
-    stager.copy_many([(torch.zeros(20 * M, dtype=torch.uint8), lambda off, buf: buf.fill_(1))])
-    assert sent == [8 * M, 8 * M, 4 * M]  # made full size: no growth again
-
-
 def test_copy_many_keeps_several_buffers_in_flight(monkeypatch) -> None:
     """The reads of the next buffers run while one buffer's read is still going (no barrier
     per buffer): here the first buffer's fill waits until the second buffer's has started."""

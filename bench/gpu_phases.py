@@ -95,12 +95,11 @@ def child(what: str) -> None:
                   f"equal {bool(torch.equal(dst[:4096].cpu(), buf[:4096]))}")
             cudart.cudaHostUnregister(buf.data_ptr())
         return
-    if what.startswith("first"):  # the first load in a fresh process: staging NxMiB, growing from F MiB when +F
-        cfg = what.split(":")[1]
-        cfg, _, first = cfg.partition("+")
+    if what.startswith("first"):  # the first load in a fresh process: staging N x M MiB
+        cfg, _, pin = what.split(":")[1].partition("/")  # first:2x64/torch pins through torch's pin_memory
         nb, sz = cfg.split("x")
         transfer.STAGING_BUFFERS, transfer.STAGING_BYTES = int(nb), int(sz) << 20
-        transfer.STAGING_FIRST_BYTES = int(first or 0) << 20
+        transfer.PIN_BY_REGISTER = pin != "torch"
         s0, _ = timed(lambda: th5.load(PATH, device="cuda"))
         s1, _ = timed(lambda: th5.load(PATH, device="cuda"))
         print(f"  {what}: first call {s0 * 1e3:.1f} ms ({n / s0 / 1e9:.2f} GB/s), second {s1 * 1e3:.1f} ms")
@@ -144,7 +143,7 @@ def main() -> None:
     th5.save(sd, PATH)
     del sd
     print(f"file {os.path.getsize(PATH) / 1e9:.2f} GB, {os.cpu_count()} cores")
-    firsts = [f"first:{c}" for c in ("2x64", "2x32", "2x16") for _ in range(2)]
+    firsts = [f"first:{c}" for c in ("2x64", "2x64/torch", "2x32") for _ in range(2)]
     whats = sys.argv[2:] or ("alloc", "pinning", "pinways", *firsts, "load", "load:4x64", "into", "threads")
     for what in whats:  # NAME@ENV=VALUE runs phase NAME with that environment variable set
         print(what)

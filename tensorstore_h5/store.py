@@ -981,6 +981,7 @@ class Store:
     def close(self) -> None:
         """Close the file (idempotent). Handles of a closed store cannot read."""
         self._located.clear()
+        self._stagers.clear()  # device staging buffers go back to the process's pool
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import functools
+import mmap
+import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -19,7 +23,7 @@ import torch
 from . import io
 from .errors import TensorStoreError
 
-__all__ = ["STAGING_BUFFERS", "STAGING_BYTES", "GDS", "Fill", "Stager", "Stagers", "batched", "device_empty", "gds_read"]
+__all__ = ["STAGING_BUFFERS", "STAGING_BYTES", "PIN_BY_REGISTER", "GDS", "Fill", "Stager", "Stagers", "batched", "device_empty", "gds_read"]
 
 STAGING_BUFFERS = 2
 """Number of host staging buffers (made on first use). With many tensors packed per buffer,
@@ -31,12 +35,101 @@ with 2 x 64 MiB, 82 ms with 4 x 64 MiB, 101 ms with 4 x 32 MiB and 131-147 ms wi
 STAGING_BYTES = 64 * 2**20
 """Size in bytes of each staging buffer."""
 
+PIN_BY_REGISTER = True
+"""How CUDA staging buffers are page-locked. True (default): anonymous memory (transparent huge
+pages asked for) is touched, then registered with ``cudaHostRegister``: 2 x 64 MiB took ~7 ms
+each the first time in a process on an H200 host, against ~23 ms each through torch's
+``pin_memory`` (``cudaHostAlloc``), which set the first load's time (bench/results-gpu.txt,
+run 7 "pinways"). When registering fails, and with False, torch's pinned memory is used."""
+
 GDS: bool | None = None
 """GPUDirect Storage through ``kvikio``: None (default) uses it for contiguous uncompressed
 datasets going to CUDA when kvikio is installed and reports GDS (not its POSIX compatibility
 mode); False never; True also in compatibility mode. Any failure falls back to staging."""
 
 Fill = Callable[[int, torch.Tensor], None]  # fill(byte offset in the tensor, uint8 buffer view)
+
+
+def _clear_cuda_error() -> None:
+    """Reset CUDA's last-error state after a failed ``cudaHostRegister``, so the failure does
+    not come out of a later, unrelated kernel launch (best effort: libcudart loaded globally)."""
+    try:
+        ctypes.CDLL(None).cudaGetLastError()
+    except (AttributeError, OSError):  # pragma: no cover - depends on how torch loaded libcudart
+        pass
+
+
+def _register_pinned(nbytes: int) -> torch.Tensor | None:
+    """``nbytes`` of anonymous memory, faulted in and page-locked with ``cudaHostRegister``;
+    None when CUDA refuses (the caller falls back to torch's pinned memory). The memory is
+    never unregistered: it lives in :data:`_PINNED` for the process's life."""
+    mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):  # no transparent huge pages: 4 KiB pages
+        mem.madvise(mmap.MADV_HUGEPAGE)
+    buf = torch.frombuffer(mem, dtype=torch.uint8)  # keeps ``mem`` mapped while it lives
+    buf.fill_(0)  # fault the pages in before they are locked (locking absent pages is slower)
+    if int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)) != 0:
+        _clear_cuda_error()
+        return None
+    return buf
+
+
+class _PinnedPool:
+    """Page-locked host buffers kept once made, as torch keeps its pinned blocks: a CUDA
+    :class:`Stager` takes the smallest free buffer of at least the bytes it needs and gives its
+    buffers back when it is dropped, so a later load (a new Store) does not pin again. A new
+    buffer is a power of two of bytes; making one releases the free buffers smaller than it,
+    so the pool holds a few sizes, not one buffer per size ever asked for."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self._registered: set[int] = set()  # data_ptr of the buffers made by _register_pinned
+        self.made = 0  # buffers made (for tests and stats)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A free buffer of at least ``nbytes`` bytes, or a new one (``nbytes`` rounded up to a
+        power of two)."""
+        size = 1 << max(0, nbytes - 1).bit_length()
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            smaller = [b for b in self._free if b.numel() < size]
+            self._free = [b for b in self._free if b.numel() >= size]
+            self.made += 1
+        for b in smaller:
+            self._release(b)
+        buf = _register_pinned(size) if PIN_BY_REGISTER else None
+        if buf is None:
+            return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        with self._lock:
+            self._registered.add(buf.data_ptr())
+        return buf
+
+    def give(self, bufs: Iterable[torch.Tensor | None]) -> None:
+        """Return buffers no copy reads any more."""
+        with self._lock:
+            self._free.extend(b for b in bufs if b is not None)
+
+    def _release(self, buf: torch.Tensor) -> None:
+        """Unlock a buffer this pool registered (torch's own pinned blocks go back to torch)."""
+        with self._lock:
+            registered = buf.data_ptr() in self._registered
+            self._registered.discard(buf.data_ptr())
+        if registered:
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+
+_PINNED = _PinnedPool()
+
+
+def _give_back(pool: _PinnedPool, bufs: list[torch.Tensor | None], events: list[Any]) -> None:
+    """A dropped stager's buffers go back to the pool once the copies out of them are done."""
+    for e in events:
+        if e is not None:
+            e.synchronize()
+    pool.give(bufs)
 
 
 class Stager:
@@ -60,6 +153,8 @@ class Stager:
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         self.block_bytes = buffer_bytes
         self.uses = [0] * len(self._bufs)  # blocks staged through each buffer (for tests and stats)
+        self._pool: _PinnedPool | None = _PINNED if cuda else None  # CUDA: page-locked buffers, kept when dropped
+        self._returns: weakref.finalize | None = None  # gives the buffers back to the pool when dropped
 
     def copy(self, dest: torch.Tensor, fill: Fill, key: str = "", align: int = 1) -> None:
         """Fill the contiguous tensor ``dest`` (any device) by blocks: ``fill(offset, buf)``
@@ -150,16 +245,25 @@ class Stager:
     def _acquire(self, slot: int, nbytes: int) -> torch.Tensor:
         """Staging buffer ``slot``, holding at least ``nbytes`` (at most the buffer size), once
         the copies out of its previous use are done. Buffers are made on first use and only as
-        large as asked (in MiB steps), grown when a later use asks for more: pinning host
-        memory costs about 0.5 ms per MiB the first time (70 ms for 128 MiB on an H200 host),
-        which a load of a few small tensors to the GPU should not pay in full."""
+        large as asked (in MiB steps; CUDA buffers come from a process-wide pool of page-locked
+        buffers, see :data:`PIN_BY_REGISTER`), grown when a later use asks for more: pinning
+        costs 0.1-0.5 ms per MiB the first time on an H200 host, which a load of a few small
+        tensors to the GPU should not pay for 128 MiB."""
         if self._events[slot] is not None:
             self._events[slot].synchronize()
         buf = self._bufs[slot]
         if buf is None or buf.numel() < nbytes:
             size = min(self.block_bytes, -(-max(1, nbytes) // 2**20) * 2**20)
-            buf = self._bufs[slot] = torch.empty(size, dtype=torch.uint8, device="cpu",
-                                                 pin_memory=self.device.type == "cuda")
+            if self._pool is None:
+                buf = torch.empty(size, dtype=torch.uint8)
+            else:
+                if buf is not None:
+                    self._pool.give([buf])  # its copies are done (synchronized above)
+                elif self._returns is None:
+                    self._returns = weakref.finalize(self, _give_back, self._pool, self._bufs, self._events)
+                    self._returns.atexit = False
+                buf = self._pool.take(size)
+            self._bufs[slot] = buf
         self.uses[slot] += 1
         return buf
 

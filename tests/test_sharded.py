@@ -684,6 +684,10 @@ def test_device_loads_of_whole_row_pieces_go_through_the_staging_buffers(tmp_pat
         assert [p.offsets for p in s["model/w"].pieces] == [(0, 0), (0, 512)]
         got = s.load(device="cpu")
     assert torch.equal(got["model"]["w"], e) and staged_cpu == []  # column pieces: read on the host
+    with ShardedStore(path) as s:
+        s.load(device="cpu")
+        assert s._stagers
+    assert not s._stagers  # closing drops the stagers: their pinned buffers go back to the pool
 
 
 @pytest.mark.parametrize("when", ["opening", "reading data"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import threading
@@ -12,6 +13,7 @@ import torch
 
 import tensorstore_h5 as th5
 from tensorstore_h5 import store as store_mod
+from tensorstore_h5 import transfer
 from tensorstore_h5.transfer import Stager
 
 from helpers import assert_same, assert_same_tensor, random_tensor
@@ -425,3 +427,110 @@ def test_gds_off_ignores_kvikio(monkeypatch) -> None:
     assert transfer._kvikio() is not None
     monkeypatch.setattr(transfer, "GDS", False)
     assert transfer._kvikio() is None
+
+
+class _FakeCudart:
+    """cudaHostRegister / cudaHostUnregister that record their calls (``fail``: register returns an error)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.registered, self.unregistered = fail, [], []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        self.registered.append((ptr, size, flags))
+        return 1 if self.fail else 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_register_pinned_faults_in_and_registers_the_memory_or_says_none(monkeypatch) -> None:
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    buf = transfer._register_pinned(3 << 20)
+    assert buf is not None and buf.numel() == 3 << 20 and buf.dtype == torch.uint8 and not bool(buf.any())
+    assert cudart.registered == [(buf.data_ptr(), 3 << 20, 0)]
+    buf[:10] = 7  # writable, and its memory stays mapped while the tensor lives
+    assert buf[:10].tolist() == [7] * 10
+    cudart.fail = True
+    assert transfer._register_pinned(1 << 20) is None
+
+
+def test_pinned_pool_reuses_buffers_and_keeps_few_sizes(monkeypatch) -> None:
+    """Buffers come back to the pool and are reused by the smallest fit; a new buffer is a power
+    of two of bytes, and making one unregisters the free buffers smaller than it."""
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    pool = transfer._PinnedPool()
+    M = 1 << 20
+    a = pool.take(3 * M)
+    assert a.numel() == 4 * M and pool.made == 1
+    pool.give([a, None])
+    assert pool.take(M) is a and pool.made == 1  # reused, not pinned again
+    big = pool.take(64 * M)  # none free: a new one
+    pool.give([a])
+    c = pool.take(5 * M)  # the 4 MiB one does not fit: released, an 8 MiB one made
+    assert c.numel() == 8 * M and cudart.unregistered == [a.data_ptr()] and pool.made == 3
+    pool.give([big, c])
+    assert pool.take(6 * M) is c and pool.take(9 * M) is big
+
+
+def test_pinned_pool_falls_back_to_torch_pinned_memory(monkeypatch) -> None:
+    made = []
+    real_empty = torch.empty
+
+    def empty(*args, pin_memory=False, **kwargs):
+        made.append(pin_memory)
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _FakeCudart(fail=True))
+    monkeypatch.setattr(torch, "empty", empty)
+    buf = transfer._PinnedPool().take(5000)
+    assert buf.numel() == 8192 and made == [True]
+    monkeypatch.setattr(transfer, "PIN_BY_REGISTER", False)
+    transfer._PinnedPool().take(100)
+    assert made == [True, True]
+
+
+def test_a_dropped_stager_gives_its_buffers_back_to_the_pool(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _FakeCudart())
+    pool = transfer._PinnedPool()
+    stager = Stager("cpu", buffers=2, buffer_bytes=4 << 20)
+    stager._pool = pool  # as a CUDA stager takes its buffers
+    src = torch.randint(0, 256, (6 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    dest = torch.zeros_like(src)
+    stager.copy_many([(dest, lambda off, buf: buf.copy_(src[off:off + buf.numel()]))])
+    assert torch.equal(dest, src) and pool.made == 2
+    bufs = {b.data_ptr() for b in stager._bufs}
+    del stager
+    gc.collect()
+    assert {b.data_ptr() for b in pool._free} == bufs
+    again = Stager("cpu", buffers=2, buffer_bytes=4 << 20)
+    again._pool = pool
+    again.copy_many([(torch.zeros(5 << 20, dtype=torch.uint8), lambda off, buf: buf.fill_(1))])
+    assert pool.made == 2  # the next load reuses them
+
+
+def test_closing_a_store_gives_its_staging_buffers_back(tmp_path, staged_cpu, monkeypatch) -> None:
+    """Store.close drops its stagers, so the next store reuses the page-locked buffers even
+    while the closed store object is still referenced."""
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _FakeCudart())
+    pool = transfer._PinnedPool()
+    real = transfer.Stagers.__missing__
+
+    def missing(self, device):
+        stager = real(self, device)
+        stager._pool = pool  # as CUDA stagers take theirs
+        return stager
+
+    monkeypatch.setattr(transfer.Stagers, "__missing__", missing)
+    t = torch.arange(3000.0)
+    th5.save({"t": t}, tmp_path / "f.h5")
+    with th5.open(tmp_path / "f.h5") as s:
+        out = torch.empty(3000)
+        s["t"].read(out=out)
+        assert torch.equal(out, t) and pool.made >= 1 and not pool._free
+    assert len(pool._free) == pool.made  # returned at close, while `s` is still referenced
+    with th5.open(tmp_path / "f.h5") as s:
+        s["t"].read(out=out)
+    assert len(pool._free) == pool.made  # the second store took them from the pool, made none

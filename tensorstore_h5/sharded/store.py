@@ -545,6 +545,7 @@ class ShardedStore:
         """Close every file opened (idempotent)."""
         if not self._closed:
             self._files.close()
+            self._stagers.clear()  # device staging buffers go back to the process's pool
             self._closed = True
 
     @property

@@ -124,7 +124,7 @@ def parse_header(data: bytes, file: str, size: int) -> Header:
 # ---------------------------------------------------------------------------- where bytes are
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Contiguous:
     """``nbytes`` logical bytes stored at file offset ``offset``; ``hashes`` are the XXH3 of
     consecutive ``block``-byte blocks (None where the file has no checksums)."""
@@ -133,6 +133,10 @@ class Contiguous:
     nbytes: int
     hashes: tuple[int, ...] | None = None
     block: int = checksum.HASH_BLOCK
+
+    def __init__(self, offset: int, nbytes: int, hashes: tuple[int, ...] | None = None,
+                 block: int = checksum.HASH_BLOCK) -> None:
+        self.__dict__.update(offset=offset, nbytes=nbytes, hashes=hashes, block=block)  # see TensorEntry.__init__
 
 
 @dataclass(frozen=True)
@@ -249,7 +253,7 @@ Extent = Union[Contiguous, Chunked]
 # ---------------------------------------------------------------------------- entries
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class TensorEntry:
     """A tensor leaf stored as the dataset ``dataset``.
 
@@ -275,6 +279,16 @@ class TensorEntry:
     foreign: bool = False
     packed: int | None = None
     extent: Extent | None = None
+
+    def __init__(self, path: str, key: Any, dtype: DtypeSpec, shape: tuple[int, ...], dataset: str,
+                 stride: tuple[int, ...] | None = None, same_as: str | None = None, parameter: bool = False,
+                 requires_grad: bool = False, foreign: bool = False, packed: int | None = None,
+                 extent: Extent | None = None) -> None:
+        # The frozen dataclass's own __init__ sets each field through object.__setattr__:
+        # 2 us an entry, against 0.5 us here; a checkpoint of many small tensors makes thousands.
+        self.__dict__.update(path=path, key=key, dtype=dtype, shape=shape, dataset=dataset, stride=stride,
+                             same_as=same_as, parameter=parameter, requires_grad=requires_grad, foreign=foreign,
+                             packed=packed, extent=extent)
 
     @property
     def numel(self) -> int:
@@ -567,6 +581,17 @@ def entry_json(entry: Entry, parent_type: str | None) -> dict[str, Any]:
     return out
 
 
+def _plain_tensor_line(e: TensorEntry, parent_type: str | None) -> str | None:
+    """The entry line of a row-major, contiguous, uncompressed tensor under a ``str`` key (most
+    of a checkpoint's entries), formatted directly: what ``entry_json`` gives, in a third of the
+    time; None for every other entry."""
+    if (e.stride is not None or e.same_as is not None or e.parameter or e.requires_grad or type(e.extent) is not Contiguous
+            or (type(e.key) is not str and parent_type in ("dict", "OrderedDict"))):
+        return None
+    hashes = ",".join([f'"{h:016x}"' for h in e.extent.hashes or ()])
+    return f'{{"dtype":"{e.dtype.name}","shape":[{",".join(map(str, e.shape))}],"at":{e.extent.offset},"xxh3":[{hashes}]}}'
+
+
 def _type_name(entry: Entry) -> str:
     if isinstance(entry, Container):
         return entry.type
@@ -580,7 +605,9 @@ def layout_text(entries: Iterable[Entry], metadata: Mapping[str, Any], hash_bloc
     lines = []
     for e in entries:
         parent = e.path.rpartition("/")[0] if e.path else None
-        lines.append(_dumps(entry_json(e, types.get(parent) if parent is not None else None)))
+        parent_type = types.get(parent) if parent is not None else None
+        line = _plain_tensor_line(e, parent_type) if type(e) is TensorEntry else None
+        lines.append(line if line is not None else _dumps(entry_json(e, parent_type)))
         if isinstance(e, Container):
             types[e.path] = e.type
     head = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "metadata": dict(metadata), "hash_block": hash_block,
@@ -603,23 +630,36 @@ def check_metadata(metadata: Mapping[str, Any]) -> str:
         raise TypeError(f"metadata must be JSON-serialisable (str keys; no NaN): {e}") from e
 
 
-def write_root_attrs(f: h5py.File) -> None:
+def root_attrs() -> list[tuple[str, np.ndarray]]:
     """The root attributes of a format-2 file, for readers that do not read the header:
     fixed-length strings and integers only (no global heap, so the metadata is checksummed)."""
-    f.attrs.create(ATTR_FORMAT, np.bytes_(FORMAT_NAME))
-    f.attrs.create(ATTR_VERSION, np.int64(FORMAT_VERSION))
+    return [(ATTR_FORMAT, np.bytes_(FORMAT_NAME)), (ATTR_VERSION, np.int64(FORMAT_VERSION))]
+
+
+def dataset_attrs(entry: TensorEntry) -> list[tuple[str, np.ndarray]]:
+    """The attributes that let plain HDF5 readers interpret a tensor's dataset: its torch
+    dtype where the HDF5 type does not name it, and its stride where it has one."""
+    attrs: list[tuple[str, np.ndarray]] = []
+    if entry.dtype.storage != "native":
+        attrs.append((ATTR_TORCH_DTYPE, np.bytes_(entry.dtype.name)))
+    if entry.stride is not None:
+        attrs.append((ATTR_STRIDE, np.asarray(entry.stride, dtype=np.int64)))
+    return attrs
+
+
+def write_root_attrs(f: h5py.File) -> None:
+    """Write :func:`root_attrs` through libhdf5."""
+    for name, value in root_attrs():
+        f.attrs.create(name, value)
 
 
 def write_dataset_attrs(dsid: h5py.h5d.DatasetID, entry: TensorEntry) -> None:
-    """The per-dataset attributes that let plain HDF5 readers interpret a tensor: its torch
-    dtype where the HDF5 type does not name it, and its stride where it has one."""
-    if entry.dtype.storage == "native" and entry.stride is None:
-        return
-    ds = h5py.Dataset(dsid)
-    if entry.dtype.storage != "native":
-        ds.attrs.create(ATTR_TORCH_DTYPE, np.bytes_(entry.dtype.name))
-    if entry.stride is not None:
-        ds.attrs.create(ATTR_STRIDE, np.asarray(entry.stride, dtype=np.int64))
+    """Write :func:`dataset_attrs` through libhdf5."""
+    attrs = dataset_attrs(entry)
+    if attrs:
+        ds = h5py.Dataset(dsid)
+        for name, value in attrs:
+            ds.attrs.create(name, value)
 
 
 def claims_format(attr_names: Iterable[str]) -> bool:

@@ -8,6 +8,7 @@ save of the same target removes the temporaries that no live process holds any m
 
 from __future__ import annotations
 
+import collections
 import errno
 import fcntl
 import glob
@@ -26,7 +27,7 @@ import h5py
 import numpy as np
 import torch
 
-from . import checksum, io, remote, tree
+from . import checksum, hdf5meta, io, remote, tree
 from . import format as fmt
 from .compression import Compression, resolve_compression
 from .display import Progress
@@ -52,6 +53,23 @@ Pages still dirty or mapped are not dropped (the kernel only starts their writeb
 RELEASE_ALIGN = 2 << 20
 """Released ranges end on multiples of this many bytes: the kernel keeps a cached large folio
 (up to 2 MiB on x86-64) that a range covers only in part, so 1 MiB steps dropped nothing."""
+
+
+GATHER_BYTES = 64 * 1024
+"""With :data:`ENCODE_METADATA`, the data of contiguous tensors under this many bytes is
+gathered in memory and written 1 MiB at a time (one ``pwrite`` per tensor was a sixth of the
+time of saving 6,000 small tensors)."""
+
+ENCODE_METADATA = True
+"""Files without compression get their HDF5 metadata from :mod:`tensorstore_h5.hdf5meta`,
+written after the data (2,000 groups and 6,000 small datasets: ~25 ms instead of libhdf5's
+~250-300 ms). False: libhdf5 writes it, as it does for files with compressed datasets."""
+
+COMPACT_LINKS = 8192
+"""hdf5meta keeps a group's links in its object header, where libhdf5 finds a name by a
+linear scan: as fast as its indexed (dense) storage up to a few thousand links, 2.7x slower at
+20,000 (0.32 against 0.12 ms a lookup through h5py). :func:`save` of a tree with a group of
+more links lets libhdf5 write the metadata instead."""
 
 
 def _lcpl() -> h5py.h5p.PropLCID:
@@ -118,9 +136,9 @@ def prepare(obj: Any, file: str, root: str = "", key: Any = None) -> list[Contai
     Raises UnsupportedTypeError naming ``file``, the key path and the type.
     """
     try:
-        nodes = tree.flatten(obj, root, key)
+        nodes = tree.flatten(obj, root, key)  # checks plain values
         for node in nodes:
-            if isinstance(node, Leaf):
+            if isinstance(node, Leaf) and isinstance(node.value, (torch.Tensor, np.ndarray)):
                 _check_leaf(node.value, node.path)
     except UnsupportedTypeError as e:
         raise UnsupportedTypeError(f"{file}: {e}; nothing was written") from None
@@ -153,8 +171,10 @@ def sweep_partials(path: PathLike) -> list[str]:
     return removed
 
 
-def _create_partial(path: str) -> tuple[str, int, h5py.File]:
-    """A new temporary beside ``path``, created by HDF5 and locked: ``(name, descriptor, file)``.
+def _create_partial(path: str, hdf5: bool = True) -> tuple[str, int, h5py.File | None]:
+    """A new temporary beside ``path``, created and locked: ``(name, descriptor, file)``, the
+    file an h5py File when ``hdf5`` (libhdf5 writes the metadata), else None (an empty file,
+    its metadata encoded by :mod:`tensorstore_h5.hdf5meta`).
 
     HDF5 creates the file itself: handing it an existing (even empty) file to truncate makes
     ext4 flush the whole file when HDF5 closes it (its auto_da_alloc heuristic for files
@@ -167,7 +187,11 @@ def _create_partial(path: str) -> tuple[str, int, h5py.File]:
     for _ in range(5):
         tmp = os.path.join(head, f".{name}.{uuid.uuid4().hex}.partial")
         try:
-            f = _h5_create(tmp)
+            if hdf5:
+                f = _h5_create(tmp)
+            else:
+                f = None
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666))
         except PermissionError as e:
             raise PermissionError(f"{path}: cannot create a file in {head!r} (permission denied); nothing was written") from e
         except OSError as e:
@@ -184,7 +208,8 @@ def _create_partial(path: str) -> tuple[str, int, h5py.File]:
             os.close(fd)
         except FileNotFoundError:
             pass
-        f.close()  # swept between creation and lock: take another name
+        if f is not None:
+            f.close()  # swept between creation and lock: take another name
     raise WriteError(f"{path}: could not create a temporary file beside it")
 
 
@@ -262,6 +287,7 @@ class Writer:
         sync: bool = False,
         storage_options: dict[str, Any] | None = None,
         direct: bool | None = None,
+        _encode: bool = True,  # False: libhdf5 writes the HDF5 metadata (see few_links)
     ) -> None:
         local = remote.local_path(path)
         self._upload: tuple[Any, dict[str, Any] | None] | None = None
@@ -282,13 +308,21 @@ class Writer:
         fmt.check_metadata(self._metadata)
         self._sync = sync
         sweep_partials(self._target)
+        # Uncompressed files get their HDF5 metadata from hdf5meta, written after the data;
+        # compressed datasets need libhdf5 (chunk indexes).
+        encode = _encode and ENCODE_METADATA and self._compression.choice is None
+        self._meta = hdf5meta.Builder(fmt.USERBLOCK) if encode else None
+        self._eof = fmt.USERBLOCK + fmt.ALIGNMENT  # the superblock, then data on ALIGNMENT boundaries
+        self._gathered = bytearray()  # small tensors' data, to be written at self._gathered_at
+        self._gathered_at = 0
         try:
-            self._tmp, self._fd, file = _create_partial(self._target)
+            self._tmp, self._fd, file = _create_partial(self._target, hdf5=self._meta is None)
         except (PermissionError, FileNotFoundError, WriteError):
             raise
         except OSError as e:
             raise self._failed("", e) from e
         self._file: h5py.File | None = file
+        self._open = True
         self._replaced = _Replaced(self._target)
         self._direct: io.DirectWrites | None = None
         self._finalizer = weakref.finalize(self, _discard, self._file, self._tmp, self._fd, self._replaced)
@@ -329,20 +363,26 @@ class Writer:
 
     def close(self) -> None:
         """Write the layout and header, close the file, and move it into place (idempotent)."""
-        if self._file is None:
+        if not self._open:
             return
         if self._direct is not None:
             self._direct.close()
         try:
             try:
-                text = fmt.layout_text(self._entries, self._metadata)
-                fmt.write_root_attrs(self._file)
-                dsid = h5py.h5d.create(self._file.id, fmt.LAYOUT_DATASET.encode(), h5py.h5t.STD_U8LE,
-                                       h5py.h5s.create_simple((len(text),)), dcpl=_dcpl())
-                dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, np.frombuffer(text, dtype=np.uint8))
-                offset = dsid.get_offset()
-                del dsid
-                self._file.close()
+                with io.gc_paused():
+                    text = fmt.layout_text(self._entries, self._metadata)
+                if self._meta is not None:
+                    with io.gc_paused():
+                        offset = self._finish_metadata(text)
+                else:
+                    assert self._file is not None
+                    fmt.write_root_attrs(self._file)
+                    dsid = h5py.h5d.create(self._file.id, fmt.LAYOUT_DATASET.encode(), h5py.h5t.STD_U8LE,
+                                           h5py.h5s.create_simple((len(text),)), dcpl=_dcpl())
+                    dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, np.frombuffer(text, dtype=np.uint8))
+                    offset = dsid.get_offset()
+                    del dsid
+                    self._file.close()
             except OSError as e:
                 raise self._failed("", e) from e
             size = os.fstat(self._fd).st_size
@@ -355,6 +395,7 @@ class Writer:
             self.abort()
             raise
         self._file = None
+        self._open = False
         self._finalizer.detach()
         os.close(self._fd)
         self._progress.close()
@@ -372,8 +413,9 @@ class Writer:
 
     def abort(self) -> None:
         """Discard everything written; any earlier file at ``path`` is left as it was."""
-        if self._file is not None:
+        if self._open:
             self._file = None
+            self._open = False
             if self._direct is not None:
                 self._direct.close()
             self._finalizer()
@@ -390,14 +432,29 @@ class Writer:
             self.abort()
 
     def __repr__(self) -> str:
-        state = "closed" if self._file is None else f"{len(self._entries) - 1} entries"
+        state = "closed" if not self._open else f"{len(self._entries) - 1} entries"
         return f"<tensorstore_h5.Writer {self.path!r} ({state})>"
 
     # -- internals -----------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._file is None:
+        if not self._open:
             raise ValueError(f"{self.path}: the writer is closed")
+
+    def _finish_metadata(self, text: bytes) -> int:
+        """Write the layout text, then the HDF5 metadata (:mod:`hdf5meta`) after it and the
+        superblock at the end of the user block; returns the layout's offset."""
+        assert self._meta is not None
+        self._flush_gathered()
+        at = _aligned(self._eof)
+        io.pwrite_all(self._fd, text, at)
+        self._meta.dataset(fmt.LAYOUT_DATASET, h5py.h5t.STD_U8LE, (len(text),), at, len(text))
+        self._meta.root_attrs(fmt.root_attrs())
+        start = _aligned(at + len(text))
+        blob, root = self._meta.encode(start)
+        io.pwrite_all(self._fd, blob, start)
+        io.pwrite_all(self._fd, self._meta.superblock(root, start + len(blob)), fmt.USERBLOCK)
+        return at
 
     def _failed(self, key: str, e: OSError) -> WriteError:
         """The error for an I/O failure while writing ``key`` (the save is abandoned)."""
@@ -467,6 +524,10 @@ class Writer:
         self._index[entry.path] = entry
 
     def _write_nodes(self, nodes: list[Container | Leaf]) -> None:
+        with io.gc_paused():  # thousands of entries form no cycle: 6,000 small tensors saved 25% faster
+            self._write_each(nodes)
+
+    def _write_each(self, nodes: list[Container | Leaf]) -> None:
         for node in nodes:
             try:
                 if isinstance(node, Container):
@@ -481,7 +542,7 @@ class Writer:
                 raise self._failed(node.path, e) from e
 
     def _write_tensor(self, path: str, key: Any, value: torch.Tensor) -> TensorEntry:
-        t = value.detach()
+        t = value if type(value) is torch.Tensor and not value.requires_grad else value.detach()
         if type(t) is not torch.Tensor:
             t = t.as_subclass(torch.Tensor)
         alias_key = self._alias_key(t)  # of the tensor itself: resolving conj/neg below makes a temporary copy
@@ -492,7 +553,7 @@ class Writer:
         spec = spec_for_torch(t.dtype, path)
         shape = tuple(t.shape)
         stride = None if t.is_contiguous() or has_gaps(shape, tuple(t.stride())) else tuple(t.stride())
-        parameter = isinstance(value, torch.nn.Parameter)
+        parameter = type(value) is not torch.Tensor and isinstance(value, torch.nn.Parameter)
         requires_grad = bool(value.requires_grad)
         dataset = path or fmt.ROOT_DATASET
         if alias_key is not None:
@@ -500,14 +561,22 @@ class Writer:
             if hit is not None and hit[0]() is not None:
                 orig = self._index[hit[1]]
                 assert isinstance(orig, TensorEntry)
-                self._file[dataset] = self._file[orig.dataset]  # type: ignore[index]  # hard link: one copy of the data
+                if self._meta is not None:
+                    self._meta.hard_link(dataset, orig.dataset)
+                else:  # hard link: one copy of the data
+                    self._file[dataset] = self._file[orig.dataset]  # type: ignore[index]
                 return TensorEntry(path, key, spec, shape, orig.dataset, stride, orig.path, parameter, requires_grad,
                                    extent=orig.extent)
             self._aliases[alias_key] = (weakref.ref(value), path)
         dcpl = self._compression.dcpl(path, t, spec) or self._plain
         dsid, extent = self._write_data(dataset, spec.h5_type, shape, t, spec.itemsize, dcpl)
         entry = TensorEntry(path, key, spec, shape, dataset, stride, None, parameter, requires_grad, extent=extent)
-        fmt.write_dataset_attrs(dsid, entry)
+        if self._meta is not None:
+            attrs = fmt.dataset_attrs(entry)
+            if attrs:
+                self._meta.attrs(dataset, attrs)
+        else:
+            fmt.write_dataset_attrs(dsid, entry)
         self._progress.update(entry.nbytes)
         return entry
 
@@ -523,12 +592,21 @@ class Writer:
         return ArrayEntry(path, key, value.dtype, shape, dataset, extent)
 
     def _write_data(self, dataset: str, h5type: Any, shape: tuple[int, ...], t: torch.Tensor, itemsize: int,
-                    dcpl: h5py.h5p.PropDCID) -> tuple[h5py.h5d.DatasetID, fmt.Extent | None]:
+                    dcpl: h5py.h5p.PropDCID) -> tuple[h5py.h5d.DatasetID | None, fmt.Extent | None]:
         """Create ``dataset`` and write the logical bytes of ``t`` (a tensor of ``shape``, or
-        the raw bytes of an array) into it; returns it and where its bytes went, with their
-        hashes (None when it has none)."""
-        assert self._file is not None
+        the raw bytes of an array) into it; returns it (None when hdf5meta writes the metadata)
+        and where its bytes went, with their hashes (None when it has none)."""
         nbytes = t.numel() * t.element_size()
+        if self._meta is not None:  # the data at the next aligned offset; the metadata at close
+            at = _aligned(self._eof)
+            extent = None
+            if nbytes:
+                self._replaced.release(nbytes)
+                extent = Contiguous(at, nbytes, self._write_bytes(t, at, nbytes))
+                self._eof = at + nbytes
+            self._meta.dataset(dataset, h5type, shape, at, nbytes)
+            return None, extent
+        assert self._file is not None
         space = self._space(shape)
         chunked = dcpl is not self._plain and dcpl.get_layout() == h5py.h5d.CHUNKED
         dapl = None
@@ -585,6 +663,51 @@ class Writer:
         fmt.check_chunked(extent, None)
         return dsid, extent
 
+    def _write_bytes(self, t: torch.Tensor, at: int, nbytes: int) -> tuple[int, ...]:
+        """Write the logical (row-major) bytes of ``t`` at file offset ``at``; their block hashes.
+        A contiguous CPU tensor is written from its own memory, others in row blocks made
+        contiguous (and moved to the CPU) one at a time."""
+        if t.is_cpu and t.is_contiguous():
+            data = io.tensor_buffer(t)
+            if nbytes < GATHER_BYTES and nbytes <= checksum.HASH_BLOCK:
+                self._gather(data, at)
+                return (checksum.digest(data),)  # one hash block
+            self._pwrite(data, at)
+            return tuple(checksum.block_hashes(data, checksum.HASH_BLOCK))
+        hasher = checksum.BlockHasher(checksum.block_ends(nbytes, checksum.HASH_BLOCK))
+        bits, shape = io.bits_view(t), tuple(t.shape)
+        for first, stop in io.row_blocks(shape, t.element_size(), io.BLOCK_BYTES):
+            block = (bits[first:stop] if shape else bits).contiguous().cpu()
+            data = io.tensor_buffer(block)
+            self._pwrite(data, at)
+            hasher.update(data)
+            at += block.numel() * block.element_size()
+        return tuple(hasher.finish())
+
+    def _pwrite(self, data: memoryview, at: int) -> None:
+        if self._direct is not None:
+            self._direct.pwrite(data, at)
+        else:
+            io.pwrite_all(self._fd, data, at)
+
+    def _gather(self, data: memoryview, at: int) -> None:
+        """Add ``data``, bound for offset ``at``, to the gathered bytes (the gap that alignment
+        leaves before it as zeros); written once they reach 1 MiB."""
+        end = self._gathered_at + len(self._gathered)
+        if self._gathered and 0 <= at - end < fmt.ALIGNMENT:
+            self._gathered += bytes(at - end)
+        else:
+            self._flush_gathered()
+            self._gathered_at = at
+        self._gathered += data
+        if len(self._gathered) >= 2**20:
+            self._flush_gathered()
+
+    def _flush_gathered(self) -> None:
+        if self._gathered:
+            io.pwrite_all(self._fd, self._gathered, self._gathered_at)
+            self._gathered = bytearray()
+
     def _space(self, shape: tuple[int, ...]) -> Any:
         """The HDF5 dataspace of ``shape`` (made once per shape: small tensors repeat shapes)."""
         space = self._spaces.get(shape)
@@ -604,6 +727,20 @@ class Writer:
         storage = t.untyped_storage()
         return (t.device, storage.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
                 t.is_conj(), t.is_neg(), t._version)
+
+
+def few_links(paths: list[str]) -> bool:
+    """Whether no group of a file holding these key paths gets more than :data:`COMPACT_LINKS`
+    links (the ``_encode`` argument of :class:`Writer`)."""
+    if len(paths) <= COMPACT_LINKS:
+        return True
+    counts = collections.Counter(p.rpartition("/")[0] for p in paths if p)
+    return max(counts.values()) <= COMPACT_LINKS
+
+
+def _aligned(offset: int) -> int:
+    """``offset`` rounded up to a multiple of :data:`format.ALIGNMENT`."""
+    return -(-offset // fmt.ALIGNMENT) * fmt.ALIGNMENT
 
 
 def _dcpl() -> h5py.h5p.PropDCID:
@@ -749,8 +886,10 @@ def save(
             cannot be stored without pickle; nothing is written.
         WriteError: (an OSError) the file cannot be written (disk full, I/O error); nothing changes.
     """
-    nodes = prepare(obj, path if isinstance(path, str) else os.fspath(path) if isinstance(path, os.PathLike)
-                    else remote.FileObjSource.name_of(path))
+    with io.gc_paused():
+        nodes = prepare(obj, path if isinstance(path, str) else os.fspath(path) if isinstance(path, os.PathLike)
+                        else remote.FileObjSource.name_of(path))
     with Writer(path, compression=compression, metadata=metadata, progress=progress, chunk_bytes=chunk_bytes,
-                sync=sync, storage_options=storage_options, direct=direct) as w:
+                sync=sync, storage_options=storage_options, direct=direct,
+                _encode=len(nodes) <= COMPACT_LINKS or few_links([n.path for n in nodes])) as w:
         w._write_root(nodes)

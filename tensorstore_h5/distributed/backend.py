@@ -60,7 +60,7 @@ from ..dtypes import spec_for_torch
 from ..errors import FormatError, UnsupportedTypeError
 from ..format import ValueEntry
 from ..sharded.reads import Reads, block_selection
-from ..writer import Writer
+from ..writer import Writer, few_links
 
 __all__ = ["H5StorageWriter", "H5StorageReader", "save", "load"]
 
@@ -356,8 +356,10 @@ class H5StorageWriter(StorageWriter, BlockingAsyncStager):
         path = os.path.join(self.path, name)
         written: list[tuple[WriteItem | None, str, tuple[int, ...], int]] = []
         used: set[str] = set()
+        paths = [key_path(item.index.fqn, mappings) for item in items] + [kp for kp, _ in nested]
         with Writer(path, compression=self.compression, chunk_bytes=self.chunk_bytes, sync=self.sync_files,
-                    direct=self.direct, metadata={"save_id": self._save_id, **({"rank": self.rank} if self.rank is not None else {})}) as w:
+                    direct=self.direct, metadata={"save_id": self._save_id, **({"rank": self.rank} if self.rank is not None else {})},
+                    _encode=few_links(paths)) as w:
             for item in items:
                 kp = key_path(item.index.fqn, mappings)
                 key = kp

@@ -1,0 +1,222 @@
+"""The HDF5 metadata that tensorstore_h5 encodes itself for uncompressed files (hdf5meta):
+libhdf5 reads it as it reads its own, message for message."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+import tensorstore_h5 as th5
+from tensorstore_h5 import hdf5meta, writer
+from tensorstore_h5 import format as fmt
+from tensorstore_h5.dtypes import spec_for_torch
+
+from helpers import assert_same, random_tensor
+
+DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64,
+          torch.uint64, torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128, torch.bfloat16,
+          torch.float8_e5m2, torch.complex32, torch.float8_e4m3fn, torch.float8_e8m0fnu]
+
+
+@pytest.mark.parametrize("n", [0, 1, 11, 12, 13, 24, 25, 100, 4099])
+def test_lookup3_matches_libhdf5(n) -> None:
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+    assert hdf5meta._lookup3_py(data) == hdf5meta.lookup3(data)
+    assert hdf5meta._lookup3_py(data, 7) == hdf5meta.lookup3(data, 7)
+    assert hdf5meta._lookup3_c() is not None  # h5py's libhdf5 exports it: the fast path is the one tested
+
+
+def _sample() -> dict:
+    w = random_tensor((4, 3), torch.float32, seed=1)
+    state = {f"{dt}".removeprefix("torch."): random_tensor((5, 2), dt, seed=i) for i, dt in enumerate(DTYPES)}
+    return {"model": {"w": w, "tied": w, "wt": w.t(), "empty": torch.ones(0, 3), "scalar": torch.tensor(2.5),
+                      "ü/x": torch.arange(3)}, "dtypes": state, "list": [torch.ones(2), 3], "n": 7}
+
+
+def _headers(path) -> dict[str, list[tuple[int, int, bytes]]]:
+    """Every dataset's object header messages, by HDF5 path."""
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    out = {}
+    with h5py.File(path) as f:
+        def visit(name, obj):
+            if isinstance(obj, h5py.Dataset):
+                out[name] = hdf5meta.parse_object_header(raw, h5py.h5o.get_info(obj.id).addr + fmt.USERBLOCK)
+        f.visititems(visit)
+    return out
+
+
+def test_files_read_by_libhdf5_as_its_own(tmp_path, monkeypatch) -> None:
+    """The same state saved with encoded metadata and through libhdf5: h5py sees the same
+    objects, types, attributes, values and hard links, and every dataset's dataspace, datatype
+    and fill-value messages are byte for byte libhdf5's (the layout differs in its address only)."""
+    sd = _sample()
+    th5.save(sd, tmp_path / "own.h5")
+    monkeypatch.setattr(writer, "ENCODE_METADATA", False)
+    th5.save(sd, tmp_path / "lib.h5")
+    assert_same(th5.load(tmp_path / "own.h5"), sd)
+
+    def describe(path):
+        seen = {}
+        with h5py.File(path) as f:
+            def visit(name, obj):
+                kind = "group" if isinstance(obj, h5py.Group) else (obj.dtype, obj.shape, obj[()].tobytes())
+                seen[name] = (kind, sorted((k, np.asarray(v).tobytes()) for k, v in obj.attrs.items()),
+                              h5py.h5o.get_info(obj.id).rc)
+            f.visititems(visit)
+            seen["/"] = sorted((k, np.asarray(v).tobytes()) for k, v in f.attrs.items())
+            assert f["model/tied"].id == f["model/w"].id
+        return seen
+
+    own, lib = describe(tmp_path / "own.h5"), describe(tmp_path / "lib.h5")
+    assert own.keys() == lib.keys() and own == {k: v for k, v in lib.items()} | {"%layout": own["%layout"]}
+    own_h, lib_h = _headers(tmp_path / "own.h5"), _headers(tmp_path / "lib.h5")
+    for name in lib_h:
+        mine = {kind: body for kind, _, body in own_h[name]}
+        theirs = {kind: body for kind, _, body in lib_h[name]}
+        for kind in (0x01, 0x03, 0x05):
+            assert mine[kind] == theirs[kind], (name, kind)
+        assert mine[0x08][:2] == theirs[0x08][:2] and mine[0x08][10:] == theirs[0x08][10:]  # version, class, size
+        assert {k for k in theirs if k} - {0x10} <= set(mine)  # libhdf5's messages, but for continuations
+
+
+def test_encoded_file_layout(tmp_path) -> None:
+    """Superblock version 3 at the end of the user block, data on 64-byte boundaries, the file
+    exactly as long as its metadata says, and `verify` (libhdf5's view against the layout) agrees."""
+    th5.save(_sample(), tmp_path / "f.h5")
+    raw = (tmp_path / "f.h5").read_bytes()
+    assert raw[4096:4104] == fmt.HDF5_SIGNATURE and raw[4104] == 3
+    assert int.from_bytes(raw[4096 + 28:4096 + 36], "little") == len(raw)  # end-of-file address
+    with th5.open(tmp_path / "f.h5") as s:
+        for k in s.keys():
+            h = s[k]
+            if isinstance(h, th5.TensorHandle) and h.nbytes:
+                assert s._where(h._entry).offset % 64 == 0
+    r = subprocess.run([sys.executable, "-m", "tensorstore_h5", "verify", str(tmp_path / "f.h5")], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_many_links_long_names_and_deep_groups(tmp_path) -> None:
+    """A group of 3,000 datasets keeps its links in its header; names over 255 bytes get a
+    two-byte length; h5py can still add to the file afterwards (then tensorstore_h5 refuses
+    it as appended to, as for any file changed after it was written)."""
+    long = "k" * 300
+    sd = {"many": {str(i): torch.full((2,), float(i)) for i in range(3000)}, long: torch.ones(1),
+          "a": {"b": {"c": {"d": torch.zeros(1)}}}}
+    th5.save(sd, tmp_path / "f.h5")
+    with h5py.File(tmp_path / "f.h5") as f:
+        assert len(f["many"]) == 3000 and f["many/2999"][1] == 2999.0 and f[long].shape == (1,)
+        assert f["a/b/c/d"].shape == (1,)
+    assert_same(th5.load(tmp_path / "f.h5"), sd)
+    with h5py.File(tmp_path / "f.h5", "r+") as f:
+        f["extra"] = np.arange(3)
+        f["many"]["3000"] = np.arange(2)
+    with h5py.File(tmp_path / "f.h5") as f:
+        assert len(f["many"]) == 3001 and f["extra"][2] == 2
+    with pytest.raises(th5.FormatError, match="appended|length"):
+        th5.load(tmp_path / "f.h5")
+
+
+def test_corrupt_encoded_metadata_is_caught_by_libhdf5_checksums(tmp_path) -> None:
+    """A flipped byte in an object header written here fails libhdf5's checksum check, as it
+    would in one libhdf5 wrote: the checksums are real."""
+    th5.save({"w": torch.ones(3)}, tmp_path / "f.h5")
+    raw = bytearray((tmp_path / "f.h5").read_bytes())
+    with h5py.File(tmp_path / "f.h5") as f:
+        addr = h5py.h5o.get_info(f["w"].id).addr + fmt.USERBLOCK
+    raw[addr + 12] ^= 0x01
+    (tmp_path / "bad.h5").write_bytes(bytes(raw))
+    with pytest.raises(Exception), h5py.File(tmp_path / "bad.h5") as f:  # noqa: B017 - libhdf5's own error
+        f["w"][()]
+
+
+def test_a_failed_save_with_encoded_metadata_keeps_the_old_file(tmp_path, monkeypatch) -> None:
+    th5.save({"w": torch.ones(3)}, tmp_path / "f.h5")
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hdf5meta.Builder, "encode", fail)
+    with pytest.raises(th5.WriteError, match="f.h5"):
+        th5.save({"w": torch.zeros(3)}, tmp_path / "f.h5")
+    assert torch.equal(th5.load(tmp_path / "f.h5")["w"], torch.ones(3))
+    assert sorted(os.listdir(tmp_path)) == ["f.h5"]
+
+
+def test_builder_refuses_a_dataset_under_a_dataset() -> None:
+    b = hdf5meta.Builder(4096)
+    b.dataset("a", spec_for_torch(torch.float32, "a").h5_type, (1,), 4160, 4)
+    with pytest.raises(ValueError, match="'a' is a dataset"):
+        b.dataset("a/b", spec_for_torch(torch.float32, "a").h5_type, (1,), 4224, 4)
+    with pytest.raises(ValueError, match="already linked"):
+        b.dataset("a", spec_for_torch(torch.float32, "a").h5_type, (1,), 4224, 4)
+
+
+def test_small_tensors_are_gathered_into_few_writes(tmp_path, monkeypatch) -> None:
+    """Small tensors' data goes out in gathered writes of about 1 MiB (with the alignment gaps
+    as zeros); a large tensor between them is written on its own; every byte and checksum
+    reads back (verify)."""
+    from tensorstore_h5 import io
+
+    sizes = []
+    real = io.pwrite_all
+    monkeypatch.setattr(io, "pwrite_all", lambda fd, data, at: (sizes.append(memoryview(data).nbytes), real(fd, data, at))[1])
+    g = torch.Generator().manual_seed(4)
+    sd = {f"s{i}": torch.randn(int(torch.randint(1, 300, (1,), generator=g)), generator=g) for i in range(3000)}
+    sd["big"] = torch.randn(2**18, generator=g)  # 1 MiB: its own write
+    sd |= {f"t{i}": torch.randint(0, 9, (i % 7 + 1,), generator=g) for i in range(500)}
+    th5.save(sd, tmp_path / "f.h5")
+    data_writes = sizes[:-3]  # then the layout, the metadata and the superblock
+    assert 2**20 in data_writes and len(data_writes) < 10
+    assert_same(th5.load(tmp_path / "f.h5", verify=True), sd)
+
+
+def test_plain_tensor_lines_are_what_entry_json_gives(tmp_path) -> None:
+    """The layout's directly formatted lines for plain tensors parse to entry_json's objects;
+    other entries (non-str keys, strides, parameters, ties, empty) take the general path."""
+    import json
+
+    w = random_tensor((3, 4), torch.float32, seed=3)
+    sd = {"a": {"w": w, "tied": w, 1: torch.ones(2), "t": w.t(), "p": torch.nn.Parameter(torch.ones(2)),
+                "e": torch.ones(0), "b": torch.ones(5, dtype=torch.bfloat16)}, "l": [torch.arange(3)]}
+    wr = th5.Writer(tmp_path / "f.h5")
+    wr.write_root(sd)
+    types, plain = {}, 0
+    for e in wr._entries:
+        parent = e.path.rpartition("/")[0] if e.path else None
+        parent_type = types.get(parent) if parent is not None else None
+        if type(e) is fmt.TensorEntry:
+            line = fmt._plain_tensor_line(e, parent_type)
+            expect_plain = e.path in ("a/w", "a/b", "l/0")
+            assert (line is not None) == expect_plain, e.path
+            if line is not None:
+                assert json.loads(line) == fmt.entry_json(e, parent_type)
+                plain += 1
+        if isinstance(e, fmt.Container):
+            types[e.path] = e.type
+    wr.abort()
+    assert plain == 3
+
+
+def test_a_group_of_very_many_links_is_written_by_libhdf5(tmp_path, monkeypatch) -> None:
+    """save() of a tree with a group over COMPACT_LINKS links lets libhdf5 write the metadata
+    (indexed link storage, fast lookups for HDF5 tools); under it, hdf5meta does."""
+    monkeypatch.setattr(writer, "COMPACT_LINKS", 50)
+    made = []
+    real = hdf5meta.Builder.__init__
+    monkeypatch.setattr(hdf5meta.Builder, "__init__", lambda self, base: (made.append(1), real(self, base))[1])
+    th5.save({"g": {str(i): torch.ones(1) for i in range(50)}}, tmp_path / "few.h5")
+    assert made == [1]
+    sd = {"g": {str(i): torch.ones(1) for i in range(51)}}
+    th5.save(sd, tmp_path / "many.h5")
+    assert made == [1]  # not used
+    raw = (tmp_path / "many.h5").read_bytes()
+    assert raw[4096 + 8] == 3 and int.from_bytes(raw[4096 + 20:4096 + 28], "little") != 2**64 - 1  # libhdf5's extension
+    assert_same(th5.load(tmp_path / "many.h5"), sd)

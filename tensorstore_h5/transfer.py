@@ -63,12 +63,19 @@ def _register_pinned(nbytes: int) -> torch.Tensor | None:
     """``nbytes`` of anonymous memory, faulted in and page-locked with ``cudaHostRegister``;
     None when CUDA refuses (the caller falls back to torch's pinned memory). The memory is
     never unregistered: it lives in :data:`_PINNED` for the process's life."""
-    mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return None
     with contextlib.suppress(AttributeError, OSError):  # no transparent huge pages: 4 KiB pages
         mem.madvise(mmap.MADV_HUGEPAGE)
     buf = torch.frombuffer(mem, dtype=torch.uint8)  # keeps ``mem`` mapped while it lives
     buf.fill_(0)  # fault the pages in before they are locked (locking absent pages is slower)
-    if int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)) != 0:
+    try:
+        ok = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)) == 0
+    except (AttributeError, RuntimeError, TypeError):  # a torch build without these bindings
+        ok = False
+    if not ok:
         _clear_cuda_error()
         return None
     return buf

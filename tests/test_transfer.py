@@ -455,6 +455,13 @@ def test_register_pinned_faults_in_and_registers_the_memory_or_says_none(monkeyp
     cudart.fail = True
     assert transfer._register_pinned(1 << 20) is None
 
+    class NoBinding:
+        def cudaHostRegister(self, *args):
+            raise RuntimeError("CUDA driver is too old")
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: NoBinding())
+    assert transfer._register_pinned(1 << 20) is None  # then torch's pinned memory is used
+
 
 def test_pinned_pool_reuses_buffers_and_keeps_few_sizes(monkeypatch) -> None:
     """Buffers come back to the pool and are reused by the smallest fit; a new buffer is a power

@@ -123,13 +123,14 @@ def _nothing_selected(src: str, select: Any) -> KeyNotFoundError:
 
 def _h5_to_h5(src: str, dst: str, select: Any, progress: bool | None, options: dict[str, Any]) -> None:
     from .store import Store
-    from .writer import Writer
+    from .writer import Writer, few_links
 
     with Store(src) as store:
         if select is not None and not store.selected_keys(select):
             raise _nothing_selected(src, select)
         meta = options.pop("metadata", store.metadata)
-        with Writer(dst, metadata=meta, progress=progress, **options) as w:  # key by key: bounded memory
+        with Writer(dst, metadata=meta, progress=progress, **options,  # key by key: bounded memory
+                    _encode=few_links(store._layout.leaf_paths + store._layout.container_paths)) as w:
             w.expect_bytes(store.nbytes_of(select))
             w.write_tree(store.walk(select, verify=True))
 
@@ -150,7 +151,7 @@ def _from_safetensors(src: str, dst: str, select: Any, progress: bool | None, op
 
     from .select import resolve
     from .tree import escape
-    from .writer import Writer
+    from .writer import Writer, few_links
 
     try:
         f = safe_open(src, framework="pt")
@@ -167,7 +168,7 @@ def _from_safetensors(src: str, dst: str, select: Any, progress: bool | None, op
         meta = options.pop("metadata", None)
         if meta is None:
             meta = dict(f.metadata() or {})
-        with Writer(dst, metadata=meta, progress=progress, **options) as w:
+        with Writer(dst, metadata=meta, progress=progress, **options, _encode=few_links(list(names))) as w:
             # Key by key, so the writer learns the total from here (write_root announces its own).
             w.expect_bytes(sum(sizes.get(key, 0) for key in names.values()))
             for path, key in names.items():
@@ -177,7 +178,7 @@ def _from_safetensors(src: str, dst: str, select: Any, progress: bool | None, op
 def _from_torch(src: str, dst: str, progress: bool | None, options: dict[str, Any]) -> None:
     import torch
 
-    from .writer import Writer
+    from .writer import save
 
     with open(src, "rb") as f:
         zipped = f.read(4) == b"PK\x03\x04"  # only the zip format can be mapped
@@ -186,8 +187,7 @@ def _from_torch(src: str, dst: str, progress: bool | None, options: dict[str, An
     except Exception as e:  # unpickling errors come in many types
         raise FormatError(f"{src}: cannot load with weights_only=True, which refuses anything but tensors and plain "
                           f"values ({e})") from e
-    with Writer(dst, metadata=options.pop("metadata", None), progress=progress, **options) as w:
-        w.write_root(obj)  # announces the total: "saving <dst>"
+    save(obj, dst, metadata=options.pop("metadata", None), progress=progress, **options)  # announces "saving <dst>"
 
 
 def _what(entry: Any) -> str:

@@ -226,7 +226,8 @@ class Builder:
     def __init__(self, base: int) -> None:
         self.base = base
         self._objects: dict[str, _Dataset | _Group] = {"": _Group()}
-        self._heads: dict[tuple[int, tuple[int, ...]], tuple[h5py.h5t.TypeID, bytes]] = {}  # (id(type), shape) ->
+        # (id(type), shape) -> (the type, its dataspace + datatype + fill-value messages)
+        self._heads: dict[tuple[int, tuple[int, ...]], tuple[h5py.h5t.TypeID, bytes]] = {}
 
     def dataset(self, path: str, h5type: h5py.h5t.TypeID, shape: tuple[int, ...], at: int | None, nbytes: int,
                 attrs: Iterable[tuple[str, np.ndarray]] = ()) -> None:

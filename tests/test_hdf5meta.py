@@ -220,3 +220,28 @@ def test_a_group_of_very_many_links_is_written_by_libhdf5(tmp_path, monkeypatch)
     raw = (tmp_path / "many.h5").read_bytes()
     assert raw[4096 + 8] == 3 and int.from_bytes(raw[4096 + 20:4096 + 28], "little") != 2**64 - 1  # libhdf5's extension
     assert_same(th5.load(tmp_path / "many.h5"), sd)
+
+
+def _encoded(path) -> bool:
+    """Whether the file's HDF5 metadata was encoded by hdf5meta (no superblock extension)."""
+    with open(path, "rb") as f:
+        f.seek(4096 + 20)
+        return f.read(8) == b"\xff" * 8
+
+
+def test_conversions_let_libhdf5_write_files_with_a_group_of_very_many_keys(tmp_path, monkeypatch) -> None:
+    """convert (safetensors, torch.save and h5 sources) decides as save() does, from the keys
+    it will write."""
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(writer, "COMPACT_LINKS", 5)
+    for n, encoded in ((5, True), (6, False)):
+        sd = {f"w{i}": torch.full((2,), float(i)) for i in range(n)}
+        save_file(sd, tmp_path / f"{n}.safetensors")
+        torch.save(sd, tmp_path / f"{n}.pt")
+        th5.convert(tmp_path / f"{n}.safetensors", tmp_path / f"{n}-st.h5")
+        th5.convert(tmp_path / f"{n}.pt", tmp_path / f"{n}-pt.h5")
+        th5.convert(tmp_path / f"{n}-st.h5", tmp_path / f"{n}-h5.h5")
+        for kind in ("st", "pt", "h5"):
+            assert _encoded(tmp_path / f"{n}-{kind}.h5") is encoded, (n, kind)
+            assert_same(th5.load(tmp_path / f"{n}-{kind}.h5"), sd)

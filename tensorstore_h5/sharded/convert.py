@@ -32,7 +32,7 @@ def to_file(src: PathLike, dst: PathLike, *, select: Selector = None, verify: bo
     ``progress=``, ``sync=``). ``verify`` checks every piece's checksums first (tensorstore_h5
     directories). The nesting, containers and plain values are kept.
     """
-    from ..writer import Writer
+    from ..writer import Writer, few_links
 
     with ShardedStore(src) as store:
         meta = dict(metadata) if metadata is not None else store.metadata
@@ -43,7 +43,7 @@ def to_file(src: PathLike, dst: PathLike, *, select: Selector = None, verify: bo
             for e in entries:
                 yield e if isinstance(e, Container) else Leaf(e.path, e.key, store._read_leaf(e, None, verify))
 
-        with Writer(dst, metadata=meta, **save_options) as w:
+        with Writer(dst, metadata=meta, **save_options, _encode=few_links([e.path for e in entries])) as w:
             w.expect_bytes(sum(e.nbytes for e in entries if isinstance(e, (ShardedTensorEntry, ShardedArrayEntry))))
             w.write_tree(nodes())
 
@@ -57,7 +57,7 @@ def from_safetensors_dir(src: PathLike, dst: PathLike, *, compression: Any = Non
     a save replaces it (the index last; files of the old one removed after). Returns the names
     of the files written.
     """
-    from ..writer import Writer
+    from ..writer import Writer, few_links
 
     dst = os.fspath(dst)
     os.makedirs(dst, exist_ok=True)
@@ -76,7 +76,7 @@ def from_safetensors_dir(src: PathLike, dst: PathLike, *, compression: Any = Non
             name = data_file_name(stem, save_id)
             path = os.path.join(dst, name)
             with Writer(path, compression=compression, chunk_bytes=chunk_bytes, sync=sync, progress=progress,
-                        metadata={"save_id": save_id, "source": shard}) as w:
+                        metadata={"save_id": save_id, "source": shard}, _encode=few_links([e.path for e in entries])) as w:
                 for e in entries:
                     t = store._read_leaf(e, None, False)
                     w.write(e.path, t)

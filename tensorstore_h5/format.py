@@ -606,7 +606,13 @@ def layout_text(entries: Iterable[Entry], metadata: Mapping[str, Any], hash_bloc
     for e in entries:
         parent = e.path.rpartition("/")[0] if e.path else None
         parent_type = types.get(parent) if parent is not None else None
-        line = _plain_tensor_line(e, parent_type) if type(e) is TensorEntry else None
+        if type(e) is TensorEntry:
+            line = _plain_tensor_line(e, parent_type)
+        elif type(e) is Container and e.module_metadata is None and (type(e.key) is str or e.key is None
+                                                                      and parent_type not in ("dict", "OrderedDict")):
+            line = "{}"  # a container under a str key or in a list: no field (what entry_json gives)
+        else:
+            line = None
         lines.append(line if line is not None else _dumps(entry_json(e, parent_type)))
         if isinstance(e, Container):
             types[e.path] = e.type

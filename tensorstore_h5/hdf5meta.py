@@ -200,13 +200,17 @@ def _link_head(name: str) -> bytes:
     return struct.pack("<BHB", _LINK, len(body) + 8, 0) + body
 
 
-@dataclass
 class _Dataset:
-    head: bytes  # its dataspace, datatype and fill-value messages
-    at: int | None  # absolute offset of the data, None when it has none
-    nbytes: int
-    attrs: list[tuple[str, np.ndarray]] = field(default_factory=list)
-    refs: int = 1
+    """A dataset's object header to be: ``head`` (its dataspace, datatype and fill-value
+    messages), its data's absolute offset ``at`` (None: it has none) and length, attributes,
+    and how many links name it."""
+
+    __slots__ = ("head", "at", "nbytes", "attrs", "refs")
+
+    def __init__(self, head: bytes, at: int | None, nbytes: int) -> None:
+        self.head, self.at, self.nbytes = head, at, nbytes
+        self.attrs: list[tuple[str, np.ndarray]] = []
+        self.refs = 1
 
 
 @dataclass
@@ -242,7 +246,9 @@ class Builder:
             hit = self._heads[key] = (h5type, head)
         parent, name = self._parent(path)
         parent.links[name] = (_link_head(name), path)
-        self._objects[path] = _Dataset(hit[1], at if nbytes else None, nbytes, list(attrs) if attrs else [])
+        d = self._objects[path] = _Dataset(hit[1], at if nbytes else None, nbytes)
+        if attrs:
+            d.attrs.extend(attrs)
 
     def attrs(self, path: str, attrs: Iterable[tuple[str, np.ndarray]]) -> None:
         """Attributes of the dataset at ``path`` (fixed-length byte strings and numbers)."""

@@ -598,7 +598,7 @@ class Writer:
         and where its bytes went, with their hashes (None when it has none)."""
         nbytes = t.numel() * t.element_size()
         if self._meta is not None:  # the data at the next aligned offset; the metadata at close
-            at = _aligned(self._eof)
+            at = -(-self._eof // fmt.ALIGNMENT) * fmt.ALIGNMENT
             extent = None
             if nbytes:
                 self._replaced.release(nbytes)

@@ -245,3 +245,28 @@ def test_conversions_let_libhdf5_write_files_with_a_group_of_very_many_keys(tmp_
         for kind in ("st", "pt", "h5"):
             assert _encoded(tmp_path / f"{n}-{kind}.h5") is encoded, (n, kind)
             assert_same(th5.load(tmp_path / f"{n}-{kind}.h5"), sd)
+
+
+def test_every_layout_line_is_what_entry_json_gives(tmp_path) -> None:
+    """Lines formatted directly (plain tensors, containers without fields) and lines through
+    json parse alike, for containers under str, non-str and None keys, in lists and tuples,
+    with _metadata, and the root."""
+    import collections
+    import json
+
+    od = collections.OrderedDict(a=torch.ones(1))
+    od._metadata = {"": {"version": 2}}
+    sd = {"x": {1: {"y": torch.ones(1)}, None: [], "t": (torch.ones(1), {"q": 1})}, "od": od, "": {},
+          "l": [{"a": torch.zeros(2)}, [torch.ones(2)]], "v": 2.5}
+    w = th5.Writer(tmp_path / "f.h5")
+    w.write_root(sd)
+    lines = fmt.layout_text(w._entries, {}).split(b"\n")[1:]
+    types = {}
+    assert len(lines) == len(w._entries)
+    for e, line in zip(w._entries, lines):
+        parent = e.path.rpartition("/")[0] if e.path else None
+        parent_type = types.get(parent) if parent is not None else None
+        assert json.loads(line) == fmt.entry_json(e, parent_type), e.path
+        if isinstance(e, fmt.Container):
+            types[e.path] = e.type
+    w.abort()

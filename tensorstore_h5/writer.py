@@ -239,7 +239,8 @@ class Writer:
     the ``with`` block normally) writes the layout and header and renames the file over
     ``path``. Without compression, the data of each tensor is written at the next 64-byte
     boundary and the HDF5 metadata, encoded by :mod:`tensorstore_h5.hdf5meta`, after it all
-    at close; with compression, libhdf5 creates each dataset as it is written. An exception inside the ``with`` block, or :meth:`abort`, removes the partial
+    at close; with compression (and for :func:`save` of a tree with a group of more than
+    :data:`COMPACT_LINKS` keys), libhdf5 creates each dataset as it is written. An exception inside the ``with`` block, or :meth:`abort`, removes the partial
     file and leaves any earlier file at ``path`` untouched. Temporaries of ``path`` left by
     killed saves are removed when the writer starts (see :func:`sweep_partials`).
 

@@ -95,6 +95,63 @@ def lookup3(data: bytes, initval: int = 0) -> int:
     return int(f(data, len(data), initval)) if f is not None else _lookup3_py(data, initval)
 
 
+def _rot(x: np.ndarray, k: int) -> np.ndarray:
+    return (x << np.uint32(k)) | (x >> np.uint32(32 - k))
+
+
+def _lookup3_rows(rows: np.ndarray) -> np.ndarray:
+    """lookup3 (initval 0) of every row of a 2-D uint8 array, in 32-bit lanes: the rows are
+    hashed side by side, one numpy operation per step for all of them."""
+    n, length = rows.shape
+    c = np.full(n, (0xDEADBEEF + length) & 0xFFFF_FFFF, dtype=np.uint32)
+    if length == 0:
+        return c
+    blocks = (length - 1) // 12  # full blocks mixed; the last 1-12 bytes go to the final step
+    padded = np.zeros((n, 12 * (blocks + 1)), dtype=np.uint8)
+    padded[:, :length] = rows
+    words = padded.view("<u4").reshape(n, blocks + 1, 3)
+    a, b = c.copy(), c.copy()
+    for i in range(blocks):
+        a += words[:, i, 0]
+        b += words[:, i, 1]
+        c += words[:, i, 2]
+        a -= c; a ^= _rot(c, 4); c += b  # noqa: E702 - lookup3's mix, step by step
+        b -= a; b ^= _rot(a, 6); a += c  # noqa: E702
+        c -= b; c ^= _rot(b, 8); b += a  # noqa: E702
+        a -= c; a ^= _rot(c, 16); c += b  # noqa: E702
+        b -= a; b ^= _rot(a, 19); a += c  # noqa: E702
+        c -= b; c ^= _rot(b, 4); b += a  # noqa: E702
+    a += words[:, blocks, 0]
+    b += words[:, blocks, 1]
+    c += words[:, blocks, 2]
+    c ^= b; c -= _rot(b, 14)  # noqa: E702 - lookup3's final
+    a ^= c; a -= _rot(c, 11)  # noqa: E702
+    b ^= a; b -= _rot(a, 25)  # noqa: E702
+    c ^= b; c -= _rot(b, 16)  # noqa: E702
+    a ^= c; a -= _rot(c, 4)  # noqa: E702
+    b ^= a; b -= _rot(a, 14)  # noqa: E702
+    c ^= b; c -= _rot(b, 24)  # noqa: E702
+    return c
+
+
+def lookup3_many(blobs: list[bytes]) -> list[int]:
+    """:func:`lookup3` of each blob: blobs of one length (most object headers of a
+    checkpoint) are hashed together with numpy, a third of the time of one call each."""
+    out: list[int] = [0] * len(blobs)
+    by_length: dict[int, list[int]] = {}
+    for i, blob in enumerate(blobs):
+        by_length.setdefault(len(blob), []).append(i)
+    for length, idx in by_length.items():
+        if len(idx) < 16:
+            for i in idx:
+                out[i] = lookup3(blobs[i])
+            continue
+        rows = np.frombuffer(b"".join([blobs[i] for i in idx]), dtype=np.uint8).reshape(len(idx), length)
+        for i, h in zip(idx, _lookup3_rows(rows).tolist()):
+            out[i] = h
+    return out
+
+
 # ------------------------------------------------------------------- messages libhdf5 writes
 
 
@@ -157,17 +214,12 @@ def _message(kind: int, body: bytes, flags: int = 0) -> bytes:
     return struct.pack("<BHB", kind, len(body), flags) + body
 
 
-def _object_header(messages: list[bytes]) -> bytes:
-    """A version-2 object header of one chunk holding ``messages``, with its checksum."""
-    return _object_header_of(b"".join(messages))
-
-
-def _object_header_of(body: bytes) -> bytes:
-    """A version-2 object header of one chunk holding the encoded messages ``body``."""
+def _unsummed_header(body: bytes) -> bytes:
+    """A version-2 object header of one chunk holding the encoded messages ``body``, but for
+    its checksum (4 bytes, lookup3 of all of it, appended by :meth:`Builder.encode`)."""
     n = len(body)
     code, width = (0, 1) if n < 1 << 8 else (1, 2) if n < 1 << 16 else (2, 4) if n < 1 << 32 else (3, 8)
-    head = b"OHDR\x02" + bytes([code]) + n.to_bytes(width, "little") + body
-    return head + struct.pack("<I", lookup3(head))
+    return b"OHDR\x02" + bytes([code]) + n.to_bytes(width, "little") + body
 
 
 @functools.lru_cache(maxsize=1024)
@@ -273,33 +325,30 @@ class Builder:
         """The object headers, laid out from absolute offset ``start``: ``(bytes, absolute
         offset of the root group's header)``. Children come before their parents, so each
         group's links name addresses already placed."""
-        out: list[bytes] = []
+        heads: list[bytes] = []  # each header without its checksum, which lookup3_many adds
         where: dict[str, int] = {}
         pos = start
-
-        def put(path: str, blob: bytes) -> None:
-            nonlocal pos
-            where[path] = pos
-            out.append(blob)
-            pos += len(blob)
-
         for path, obj in self._objects.items():
             if type(obj) is _Dataset:
                 where[path] = pos
-                blob = self._dataset_header(obj)
-                out.append(blob)
-                pos += len(blob)
+                head = self._dataset_header(obj)
+                heads.append(head)
+                pos += len(head) + 4
         groups = sorted((p for p, o in self._objects.items() if isinstance(o, _Group)), key=lambda p: -p.count("/") - bool(p))
+        base = self.base
         for path in groups:
             group = self._objects[path]
             assert isinstance(group, _Group)
             messages = [_message(_LINK_INFO, b"\x00\x00" + struct.pack("<QQ", _UNDEF, _UNDEF)),
                         _message(_GROUP_INFO, b"\x00\x00", _CONSTANT)]
-            base = self.base
             messages += [head + (where[target] - base).to_bytes(8, "little") for head, target in group.links.values()]
             messages += self._attribute_messages(group.attrs)
-            put(path, _object_header(messages))
-        return b"".join(out), where[""]
+            where[path] = pos
+            head = _unsummed_header(b"".join(messages))
+            heads.append(head)
+            pos += len(head) + 4
+        sums = lookup3_many(heads)
+        return b"".join([h + s.to_bytes(4, "little") for h, s in zip(heads, sums)]), where[""]
 
     def superblock(self, root: int, eof: int) -> bytes:
         """The version-3 superblock (at ``base``): root group header at absolute ``root``, the
@@ -333,7 +382,7 @@ class Builder:
             body += _message(_REFCOUNT, struct.pack("<BI", 0, d.refs), _DONT_SHARE)
         if d.attrs:
             body += b"".join(self._attribute_messages(d.attrs))
-        return _object_header_of(body)
+        return _unsummed_header(body)
 
     @staticmethod
     def _attribute_messages(attrs: list[tuple[str, np.ndarray]]) -> list[bytes]:

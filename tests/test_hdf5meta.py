@@ -270,3 +270,10 @@ def test_every_layout_line_is_what_entry_json_gives(tmp_path) -> None:
         if isinstance(e, fmt.Container):
             types[e.path] = e.type
     w.abort()
+
+
+@pytest.mark.parametrize("length", [0, 1, 11, 12, 13, 24, 25, 101])
+def test_lookup3_of_many_blobs_at_once_matches_one_by_one(length) -> None:
+    rng = np.random.default_rng(length)
+    blobs = [rng.integers(0, 256, length, dtype=np.uint8).tobytes() for _ in range(40)] + [b"x" * 7]
+    assert hdf5meta.lookup3_many(blobs) == [hdf5meta.lookup3(b) for b in blobs]

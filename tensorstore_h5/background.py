@@ -22,7 +22,7 @@ from .compression import Compression
 from .dtypes import bits_view
 from .slicing import contiguous_stride, has_gaps, stride_span
 from .tree import Container, Leaf
-from .writer import PathLike, Writer, prepare
+from .writer import PathLike, Writer, few_links_in, prepare
 
 __all__ = ["save_async", "SaveFuture"]
 
@@ -133,7 +133,7 @@ def save_async(
         def write() -> None:
             try:
                 with Writer(path, compression=compression, metadata=metadata, progress=False, chunk_bytes=chunk_bytes,
-                            sync=sync, direct=direct) as w:
+                            sync=sync, direct=direct, _encode=few_links_in(snap)) as w:
                     w._write_root(snap)
             finally:
                 snap.clear()

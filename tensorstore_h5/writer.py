@@ -741,6 +741,11 @@ def few_links(paths: list[str]) -> bool:
     return max(counts.values()) <= COMPACT_LINKS
 
 
+def few_links_in(nodes: list[Container | Leaf]) -> bool:
+    """:func:`few_links` of a flattened tree (:func:`prepare`'s nodes)."""
+    return len(nodes) <= COMPACT_LINKS or few_links([n.path for n in nodes])
+
+
 def _aligned(offset: int) -> int:
     """``offset`` rounded up to a multiple of :data:`format.ALIGNMENT`."""
     return -(-offset // fmt.ALIGNMENT) * fmt.ALIGNMENT
@@ -894,5 +899,5 @@ def save(
                         else remote.FileObjSource.name_of(path))
     with Writer(path, compression=compression, metadata=metadata, progress=progress, chunk_bytes=chunk_bytes,
                 sync=sync, storage_options=storage_options, direct=direct,
-                _encode=len(nodes) <= COMPACT_LINKS or few_links([n.path for n in nodes])) as w:
+                _encode=few_links_in(nodes)) as w:
         w._write_root(nodes)

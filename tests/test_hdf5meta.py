@@ -220,6 +220,10 @@ def test_a_group_of_very_many_links_is_written_by_libhdf5(tmp_path, monkeypatch)
     raw = (tmp_path / "many.h5").read_bytes()
     assert raw[4096 + 8] == 3 and int.from_bytes(raw[4096 + 20:4096 + 28], "little") != 2**64 - 1  # libhdf5's extension
     assert_same(th5.load(tmp_path / "many.h5"), sd)
+    th5.save_async(sd, tmp_path / "async.h5").result()  # save_async decides the same way
+    assert made == [1] and _encoded(tmp_path / "async.h5") is False
+    th5.save_async({"g": {"0": torch.ones(1)}}, tmp_path / "async-few.h5").result()
+    assert made == [1, 1] and _encoded(tmp_path / "async-few.h5") is True
 
 
 def _encoded(path) -> bool:

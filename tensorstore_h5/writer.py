@@ -601,7 +601,7 @@ class Writer:
         and where its bytes went, with their hashes (None when it has none)."""
         nbytes = t.numel() * t.element_size()
         if self._meta is not None:  # the data at the next aligned offset; the metadata at close
-            at = -(-self._eof // fmt.ALIGNMENT) * fmt.ALIGNMENT
+            at = _aligned(self._eof)
             extent = None
             if nbytes:
                 self._replaced.release(nbytes)
@@ -627,10 +627,7 @@ class Writer:
                 raise OSError("HDF5 did not allocate the dataset's data")
             if t.is_cpu and t.is_contiguous():  # the common case: one pwrite from its memory
                 data = io.tensor_buffer(t)
-                if self._direct is not None:
-                    self._direct.pwrite(data, offset)
-                else:
-                    io.pwrite_all(self._fd, data, offset)
+                self._pwrite(data, offset)
                 hashes = tuple(checksum.block_hashes(data, checksum.HASH_BLOCK))
             else:
                 hasher = checksum.BlockHasher(checksum.block_ends(nbytes, checksum.HASH_BLOCK))
@@ -688,6 +685,7 @@ class Writer:
         return tuple(hasher.finish())
 
     def _pwrite(self, data: memoryview, at: int) -> None:
+        """Write ``data`` at ``at``: through :class:`io.DirectWrites` when it is on."""
         if self._direct is not None:
             self._direct.pwrite(data, at)
         else:

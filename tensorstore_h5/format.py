@@ -592,6 +592,34 @@ def _plain_tensor_line(e: TensorEntry, parent_type: str | None) -> str | None:
     return f'{{"dtype":"{e.dtype.name}","shape":[{",".join(map(str, e.shape))}],"at":{e.extent.offset},"xxh3":[{hashes}]}}'
 
 
+_JSON_ATOMS = {None: "null", True: "true", False: "false"}
+
+
+def _simple_line(e: Entry, parent_type: str | None) -> str | None:
+    """The entry line of a container without ``_metadata`` or of an int, bool or None value,
+    under a ``str`` or ``int`` key or in a list (an optimizer state's many step groups and
+    parameter indices), formatted directly: what ``entry_json`` gives; None for every other
+    entry."""
+    if parent_type in ("dict", "OrderedDict") and type(e.key) is not str:
+        if type(e.key) is not int:
+            return None
+        fields = f'"key":{e.key}'
+    else:
+        fields = ""
+    if type(e) is Container:
+        return None if e.module_metadata is not None else "{" + fields + "}"
+    if type(e) is ValueEntry:
+        v = e.value
+        if type(v) is int:
+            text = str(v)
+        elif v is None or type(v) is bool:
+            text = _JSON_ATOMS[v]
+        else:
+            return None
+        return "{" + fields + ("," if fields else "") + '"value":' + text + "}"
+    return None
+
+
 def _type_name(entry: Entry) -> str:
     if isinstance(entry, Container):
         return entry.type
@@ -606,13 +634,7 @@ def layout_text(entries: Iterable[Entry], metadata: Mapping[str, Any], hash_bloc
     for e in entries:
         parent = e.path.rpartition("/")[0] if e.path else None
         parent_type = types.get(parent) if parent is not None else None
-        if type(e) is TensorEntry:
-            line = _plain_tensor_line(e, parent_type)
-        elif type(e) is Container and e.module_metadata is None and (type(e.key) is str or e.key is None
-                                                                      and parent_type not in ("dict", "OrderedDict")):
-            line = "{}"  # a container under a str key or in a list: no field (what entry_json gives)
-        else:
-            line = None
+        line = _plain_tensor_line(e, parent_type) if type(e) is TensorEntry else _simple_line(e, parent_type)
         lines.append(line if line is not None else _dumps(entry_json(e, parent_type)))
         if isinstance(e, Container):
             types[e.path] = e.type

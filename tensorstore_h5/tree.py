@@ -84,6 +84,8 @@ def name_for_key(key: Any, path: str) -> str:
     """The link name of a dict key: escaped ``str`` keys; ``str()`` of int, float, bool, None."""
     if type(key) is str:
         return escape(key)
+    if type(key) is int:
+        return str(key)  # digits and "-": nothing to escape
     if key is None or type(key) in (int, float, bool):
         return escape(str(key))
     raise UnsupportedTypeError(
@@ -189,6 +191,11 @@ class Container:
     type: str
     module_metadata: dict[str, dict[str, Any]] | None = None
 
+    def __init__(self, path: str, key: Any, type: str, module_metadata: dict[str, dict[str, Any]] | None = None) -> None:
+        # The frozen dataclass's own __init__ sets each field through object.__setattr__;
+        # flattening a state of thousands of small objects makes one per container and leaf.
+        self.__dict__.update(path=path, key=key, type=type, module_metadata=module_metadata)
+
 
 @dataclass(frozen=True)
 class Leaf:
@@ -197,6 +204,9 @@ class Leaf:
     path: str
     key: Any
     value: Any
+
+    def __init__(self, path: str, key: Any, value: Any) -> None:
+        self.__dict__.update(path=path, key=key, value=value)  # see Container.__init__
 
 
 def flatten(obj: Any, root: str = "", key: Any = None) -> list[Container | Leaf]:
@@ -226,10 +236,10 @@ def _flatten(obj: Any, path: str, key: Any, out: list[Container | Leaf], active:
                         f"dict keys {seen[name]!r} and {k!r} under key path {path!r} both map to the name {name!r}"
                     )
                 seen[name] = k
-                _flatten(v, join(path, name), k, out, active)
+                _flatten(v, f"{path}/{name}" if path else name, k, out, active)  # join(), inline
         else:
             for i, v in enumerate(obj):
-                _flatten(v, join(path, str(i)), None, out, active)
+                _flatten(v, f"{path}/{i}" if path else str(i), None, out, active)
         active.discard(id(obj))
     elif isinstance(obj, torch.Tensor):
         out.append(Leaf(path, key, obj))

@@ -9,6 +9,7 @@ save of the same target removes the temporaries that no live process holds any m
 from __future__ import annotations
 
 import collections
+import ctypes
 import errno
 import fcntl
 import glob
@@ -531,18 +532,49 @@ class Writer:
             self._write_each(nodes)
 
     def _write_each(self, nodes: list[Container | Leaf]) -> None:
+        small = self._meta is not None  # small plain tensors may take _write_small
         for node in nodes:
             try:
                 if isinstance(node, Container):
                     self._add(node)
                 elif isinstance(node.value, torch.Tensor):
-                    self._add(self._write_tensor(node.path, node.key, node.value))
+                    entry = self._write_small(node.path, node.key, node.value) if small else None
+                    self._add(entry or self._write_tensor(node.path, node.key, node.value))
                 elif isinstance(node.value, np.ndarray):
                     self._add(self._write_array(node.path, node.key, node.value))
                 else:
                     self._add(ValueEntry(node.path, node.key, node.value))
             except OSError as e:
                 raise self._failed(node.path, e) from e
+
+    def _write_small(self, path: str, key: Any, t: torch.Tensor) -> TensorEntry | None:
+        """:meth:`_write_tensor` of a small contiguous plain CPU tensor that needs no grad, when
+        hdf5meta writes the metadata: its bytes copied into the gathered writes and hashed as one
+        block, with a quarter of the general path's checks and calls (most of a checkpoint of
+        many small tensors, such as an optimizer's steps); None for any other tensor."""
+        if type(t) is not torch.Tensor or t.requires_grad or not t.is_cpu:
+            return None
+        nbytes = t.nbytes
+        if not 0 < nbytes < GATHER_BYTES or nbytes > checksum.HASH_BLOCK or not t.is_contiguous() or t.is_conj() or t.is_neg():
+            return None
+        shape = tuple(t.shape)
+        alias_key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), shape, tuple(t.stride()), t.dtype,
+                     False, False, t._version)  # as _alias_key makes it
+        if alias_key in self._aliases:
+            return None  # maybe another name of a tensor written before: the general path links it
+        self._aliases[alias_key] = (weakref.ref(t), path)
+        spec = spec_for_torch(t.dtype, path)
+        data = ctypes.string_at(t.data_ptr(), nbytes)
+        at = _aligned(self._eof)
+        self._replaced.release(nbytes)
+        self._gather(data, at)
+        self._eof = at + nbytes
+        dataset = path or fmt.ROOT_DATASET
+        entry = TensorEntry(path, key, spec, shape, dataset, extent=Contiguous(at, nbytes, (checksum.digest(data),)))
+        self._meta.dataset(dataset, spec.h5_type, shape, at, nbytes,  # type: ignore[union-attr]
+                           () if spec.storage == "native" else fmt.dataset_attrs(entry))
+        self._progress.update(nbytes)
+        return entry
 
     def _write_tensor(self, path: str, key: Any, value: torch.Tensor) -> TensorEntry:
         t = value if type(value) is torch.Tensor and not value.requires_grad else value.detach()

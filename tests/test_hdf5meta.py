@@ -261,11 +261,13 @@ def test_every_layout_line_is_what_entry_json_gives(tmp_path) -> None:
     od = collections.OrderedDict(a=torch.ones(1))
     od._metadata = {"": {"version": 2}}
     sd = {"x": {1: {"y": torch.ones(1)}, None: [], "t": (torch.ones(1), {"q": 1})}, "od": od, "": {},
-          "l": [{"a": torch.zeros(2)}, [torch.ones(2)]], "v": 2.5}
+          "l": [{"a": torch.zeros(2)}, [torch.ones(2)]], "v": 2.5,
+          "atoms": {2: 5, -3: None, 4: True, 5: False, "n": -(2**70), True: 1, 2.5: 0, "s": "x\"y", "f": 1.5},
+          "ints": [1, -2, None, True, 2**65, {"z": [0]}]}
     w = th5.Writer(tmp_path / "f.h5")
     w.write_root(sd)
     lines = fmt.layout_text(w._entries, {}).split(b"\n")[1:]
-    types = {}
+    types, direct = {}, 0
     assert len(lines) == len(w._entries)
     for e, line in zip(w._entries, lines):
         parent = e.path.rpartition("/")[0] if e.path else None
@@ -273,7 +275,64 @@ def test_every_layout_line_is_what_entry_json_gives(tmp_path) -> None:
         assert json.loads(line) == fmt.entry_json(e, parent_type), e.path
         if isinstance(e, fmt.Container):
             types[e.path] = e.type
+        direct += fmt._simple_line(e, parent_type) is not None
     w.abort()
+    assert direct >= 20  # the direct path was taken (containers, int keys, int/bool/None values)
+    assert_same(th5.load(_saved(tmp_path / "g.h5", sd)), sd)
+
+
+def _saved(path, sd):
+    th5.save(sd, path)
+    return path
+
+
+def test_small_tensors_fast_path_writes_the_same_file(tmp_path, monkeypatch) -> None:
+    """Writer._write_small (small contiguous plain CPU tensors, gathered) writes byte for byte
+    the file that the general path writes: ties (hard links), views, dtypes with attributes,
+    0-d and empty tensors, Parameters, requires_grad, conjugate views, int keys."""
+    w = random_tensor((4, 3), torch.float32, seed=1)
+    c = torch.randn(3, dtype=torch.complex64)
+    p = torch.nn.Parameter(torch.ones(2))
+    sd = {"tied": {"a": w, "b": w, "v": w[1], "t": w.t()}, "bf": torch.ones(5, dtype=torch.bfloat16),
+          "f8": torch.ones(3, dtype=torch.float8_e4m3fn), "scalar": torch.tensor(2.5), "empty": torch.ones(0, 3),
+          "p": p, "pd": p.detach(), "g": torch.ones(2, requires_grad=True), "conj": c.conj(), "c": c,
+          "state": {i: {"step": torch.tensor(float(i)), "m": torch.full((4,), float(i))} for i in range(3)},
+          "big": torch.arange(300_000, dtype=torch.int32)}
+    th5.save(sd, tmp_path / "fast.h5")
+    calls = []
+    original = writer.Writer._write_small
+
+    def counting(self, path, key, t):
+        entry = original(self, path, key, t)
+        calls.append((path, entry is not None))
+        return entry
+
+    monkeypatch.setattr(writer.Writer, "_write_small", counting)
+    th5.save(sd, tmp_path / "counted.h5")
+    taken = {p for p, hit in calls if hit}
+    assert {"tied/a", "bf", "f8", "scalar", "state/0/step", "state/2/m", "c"} <= taken
+    assert not taken & {"tied/b", "tied/t", "p", "pd", "g", "conj", "empty", "big"}  # pd: a tie of p
+    monkeypatch.setattr(writer.Writer, "_write_small", lambda self, path, key, t: None)
+    th5.save(sd, tmp_path / "general.h5")
+    assert (tmp_path / "fast.h5").read_bytes() == (tmp_path / "general.h5").read_bytes()
+    out = th5.load(tmp_path / "fast.h5", verify=True)
+    assert_same(out, dict(sd, conj=c.conj().resolve_conj()))  # (bits() of a conjugate view are its base's)
+    assert out["tied"]["a"] is out["tied"]["b"] or out["tied"]["a"].data_ptr() == out["tied"]["b"].data_ptr()
+    with h5py.File(tmp_path / "fast.h5", "r") as f:
+        assert f["tied/a"].id == f["tied/b"].id  # one dataset, two links
+        assert f["state/1/m"][()].tolist() == [1.0] * 4
+
+
+def test_a_small_tensor_changed_between_writes_is_written_again(tmp_path) -> None:
+    """A tensor written, changed in place, then written under another key is stored twice
+    (its version moved), not linked to its old bytes."""
+    t = torch.zeros(4)
+    with th5.Writer(tmp_path / "f.h5") as wr:
+        wr["a"] = t
+        t += 1
+        wr["b"] = t
+    out = th5.load(tmp_path / "f.h5", verify=True)
+    assert out["a"].tolist() == [0.0] * 4 and out["b"].tolist() == [1.0] * 4
 
 
 @pytest.mark.parametrize("length", [0, 1, 11, 12, 13, 24, 25, 101])

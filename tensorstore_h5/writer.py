@@ -66,11 +66,13 @@ ENCODE_METADATA = True
 written after the data (2,000 groups and 6,000 small datasets: ~25 ms instead of libhdf5's
 ~250-300 ms). False: libhdf5 writes it, as it does for files with compressed datasets."""
 
-COMPACT_LINKS = 8192
-"""hdf5meta keeps a group's links in its object header, where libhdf5 finds a name by a
-linear scan: as fast as its indexed (dense) storage up to a few thousand links, 2.7x slower at
-20,000 (0.32 against 0.12 ms a lookup through h5py). :func:`save` of a tree with a group of
-more links lets libhdf5 write the metadata instead."""
+ENCODED_LINKS = hdf5meta.MAX_DENSE_LINKS
+"""The most links (47,662) of one group in a file whose HDF5 metadata hdf5meta encodes: it
+indexes a group of more than :data:`hdf5meta.DENSE_LINKS` links by one B-tree leaf, as
+libhdf5 finds names fastest, and that leaf has room for this many. :func:`save` of a tree
+with a bigger group lets libhdf5 write the metadata instead; :class:`Writer` used key by key
+keeps such a group's links in its header (correct, but libhdf5 finds a name there by a
+linear scan)."""
 
 
 def _lcpl() -> h5py.h5p.PropLCID:
@@ -241,7 +243,7 @@ class Writer:
     ``path``. Without compression, the data of each tensor is written at the next 64-byte
     boundary and the HDF5 metadata, encoded by :mod:`tensorstore_h5.hdf5meta`, after it all
     at close; with compression (and for :func:`save` of a tree with a group of more than
-    :data:`COMPACT_LINKS` keys), libhdf5 creates each dataset as it is written. An exception inside the ``with`` block, or :meth:`abort`, removes the partial
+    :data:`ENCODED_LINKS` keys), libhdf5 creates each dataset as it is written. An exception inside the ``with`` block, or :meth:`abort`, removes the partial
     file and leaves any earlier file at ``path`` untouched. Temporaries of ``path`` left by
     killed saves are removed when the writer starts (see :func:`sweep_partials`).
 
@@ -763,17 +765,17 @@ class Writer:
 
 
 def few_links(paths: list[str]) -> bool:
-    """Whether no group of a file holding these key paths gets more than :data:`COMPACT_LINKS`
+    """Whether no group of a file holding these key paths gets more than :data:`ENCODED_LINKS`
     links (the ``_encode`` argument of :class:`Writer`)."""
-    if len(paths) <= COMPACT_LINKS:
+    if len(paths) <= ENCODED_LINKS:
         return True
     counts = collections.Counter(p.rpartition("/")[0] for p in paths if p)
-    return max(counts.values()) <= COMPACT_LINKS
+    return max(counts.values()) <= ENCODED_LINKS
 
 
 def few_links_in(nodes: list[Container | Leaf]) -> bool:
     """:func:`few_links` of a flattened tree (:func:`prepare`'s nodes)."""
-    return len(nodes) <= COMPACT_LINKS or few_links([n.path for n in nodes])
+    return len(nodes) <= ENCODED_LINKS or few_links([n.path for n in nodes])
 
 
 def _aligned(offset: int) -> int:

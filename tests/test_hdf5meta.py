@@ -206,9 +206,9 @@ def test_plain_tensor_lines_are_what_entry_json_gives(tmp_path) -> None:
 
 
 def test_a_group_of_very_many_links_is_written_by_libhdf5(tmp_path, monkeypatch) -> None:
-    """save() of a tree with a group over COMPACT_LINKS links lets libhdf5 write the metadata
+    """save() of a tree with a group over ENCODED_LINKS links lets libhdf5 write the metadata
     (indexed link storage, fast lookups for HDF5 tools); under it, hdf5meta does."""
-    monkeypatch.setattr(writer, "COMPACT_LINKS", 50)
+    monkeypatch.setattr(writer, "ENCODED_LINKS", 50)
     made = []
     real = hdf5meta.Builder.__init__
     monkeypatch.setattr(hdf5meta.Builder, "__init__", lambda self, base: (made.append(1), real(self, base))[1])
@@ -238,7 +238,7 @@ def test_conversions_let_libhdf5_write_files_with_a_group_of_very_many_keys(tmp_
     it will write."""
     from safetensors.torch import save_file
 
-    monkeypatch.setattr(writer, "COMPACT_LINKS", 5)
+    monkeypatch.setattr(writer, "ENCODED_LINKS", 5)
     for n, encoded in ((5, True), (6, False)):
         sd = {f"w{i}": torch.full((2,), float(i)) for i in range(n)}
         save_file(sd, tmp_path / f"{n}.safetensors")
@@ -340,3 +340,97 @@ def test_lookup3_of_many_blobs_at_once_matches_one_by_one(length) -> None:
     rng = np.random.default_rng(length)
     blobs = [rng.integers(0, 256, length, dtype=np.uint8).tobytes() for _ in range(40)] + [b"x" * 7]
     assert hdf5meta.lookup3_many(blobs) == [hdf5meta.lookup3(b) for b in blobs]
+
+
+def _link_info(path, group: str) -> tuple[int, int]:
+    """The (fractal heap, name index) addresses in the Link Info message of ``group``'s object
+    header (both undefined: its links are in the header)."""
+    import struct
+
+    with h5py.File(path, "r") as f:
+        addr = h5py.h5o.get_info(f[group].id).addr
+    with open(path, "rb") as f:
+        image = f.read()
+    (body,) = [b for kind, _, b in hdf5meta.parse_object_header(image, fmt.USERBLOCK + addr) if kind == 0x02]
+    heap, index = struct.unpack("<QQ", body[2:18])
+    return heap, index
+
+
+def _colliding_names(n: int = 120_000) -> tuple[str, str]:
+    """Two link names with the same lookup3 hash (found among ``n`` short names)."""
+    names = [f"k{i:07d}" for i in range(n)]
+    seen: dict[int, str] = {}
+    for name, h in zip(names, hdf5meta.lookup3_many([s.encode() for s in names])):
+        if h in seen:
+            return seen[h], name
+        seen[h] = name
+    raise AssertionError("no collision found")
+
+
+@pytest.mark.parametrize("n", [hdf5meta.DENSE_LINKS, hdf5meta.DENSE_LINKS + 1, 3000, 20_000])
+def test_big_groups_get_dense_link_storage_that_libhdf5_reads(tmp_path, n) -> None:
+    """A group of more than DENSE_LINKS links keeps them in a fractal heap indexed by a B-tree
+    of name hashes (libhdf5's dense storage): h5py finds every name and iterates them all."""
+    names = [f"w{i}" for i in range(n - 3)] + ["ü-ñ", "x" * 300, "%2E"]
+    sd = {"g": {tree_name: torch.full((2,), float(i)) for i, tree_name in enumerate(names)}, "x": torch.ones(1)}
+    th5.save(sd, tmp_path / "f.h5")
+    assert _encoded(tmp_path / "f.h5")
+    heap, index = _link_info(tmp_path / "f.h5", "g")
+    assert (heap != 2**64 - 1) is (n > hdf5meta.DENSE_LINKS) and (index != 2**64 - 1) is (n > hdf5meta.DENSE_LINKS)
+    assert _link_info(tmp_path / "f.h5", "/")[0] == 2**64 - 1  # the root's two links stay in its header
+    with h5py.File(tmp_path / "f.h5", "r") as f:
+        g = f["g"]
+        assert len(g) == n and sorted(g) == sorted(th5.escape(k) for k in names)
+        for i in list(range(0, n, max(1, n // 300))) + [n - 3, n - 2, n - 1]:
+            assert g[th5.escape(names[i])][1] == float(i)
+        assert "missing" not in g and "w" not in g
+    assert_same(th5.load(tmp_path / "f.h5", verify=True), sd)
+
+
+def test_dense_groups_find_names_whose_hashes_collide(tmp_path) -> None:
+    """Records of equal hashes are ordered by name, as libhdf5 compares them: both names of a
+    colliding pair are found."""
+    a, b = _colliding_names()
+    sd = {"g": {f"w{i}": torch.full((1,), float(i)) for i in range(100)}}
+    sd["g"][b], sd["g"][a] = torch.full((1,), -2.0), torch.full((1,), -1.0)
+    th5.save(sd, tmp_path / "f.h5")
+    assert _link_info(tmp_path / "f.h5", "g")[1] != 2**64 - 1
+    with h5py.File(tmp_path / "f.h5", "r") as f:
+        assert f["g"][a][0] == -1.0 and f["g"][b][0] == -2.0 and len(f["g"]) == 102
+
+
+def test_libhdf5_changes_a_dense_group_written_here(tmp_path) -> None:
+    """h5py adds links to a dense group (new heap blocks, a split of the B-tree leaf), deletes
+    some and renames one; the file then reads back with every change."""
+    n = 600
+    th5.save({"g": {f"w{i}": torch.full((2,), float(i)) for i in range(n)}}, tmp_path / "f.h5")
+    with h5py.File(tmp_path / "f.h5", "a") as f:
+        g = f["g"]
+        for i in range(n, n + 400):
+            g.create_dataset(f"w{i}", data=np.full(2, float(i), dtype=np.float32))
+        for i in range(0, 100):
+            del g[f"w{i}"]
+        g.move("w500", "renamed")
+    with h5py.File(tmp_path / "f.h5", "r") as f:
+        g = f["g"]
+        assert len(g) == n + 300
+        assert all(g[f"w{i}"][0] == i for i in range(100, n + 400) if i != 500)
+        assert g["renamed"][0] == 500 and "w500" not in g and "w5" not in g
+
+
+def test_a_group_too_big_for_one_leaf_keeps_its_links_in_its_header(tmp_path, monkeypatch) -> None:
+    """Writer used key by key cannot choose libhdf5 ahead of time: a group of more than
+    MAX_DENSE_LINKS links (or with a name too long for the heap) keeps compact links, which
+    libhdf5 reads as well."""
+    monkeypatch.setattr(hdf5meta, "MAX_DENSE_LINKS", 100)
+    with th5.Writer(tmp_path / "f.h5") as w:
+        for i in range(101):
+            w[f"big/w{i}"] = torch.full((1,), float(i))
+        for i in range(70):
+            w[f"long/{'y' * (5000 if i == 3 else 1)}{i}"] = torch.full((1,), float(i))
+    assert _link_info(tmp_path / "f.h5", "big")[0] == 2**64 - 1
+    assert _link_info(tmp_path / "f.h5", "long")[0] == 2**64 - 1
+    with h5py.File(tmp_path / "f.h5", "r") as f:
+        assert len(f["big"]) == 101 and f["big/w100"][0] == 100 and f["long"]["y" * 5000 + "3"][0] == 3
+    out = th5.load(tmp_path / "f.h5", verify=True)
+    assert len(out["big"]) == 101 and len(out["long"]) == 70

@@ -2,7 +2,8 @@
 
 Each contender runs in a fresh subprocess (``python -m tensorstore_h5.bench worker NAME DIR``),
 best and median of ``--repeat`` runs, taken in rounds over all contenders (so a slow spell of a
-shared machine lands on every contender, not on one); files stay in the page cache, so the figures are memory
+shared machine lands on every contender, not on one); a contender that reads a file in the page
+cache reads it once, untimed, before its timed run (:func:`_warm`), so the figures are memory
 and page-cache speeds. GB/s are 10**9 bytes of tensor data per second. ``peak`` is the growth
 of peak RSS during the timed operation (MiB), measured by resetting the kernel's high-water
 mark (``/proc/self/clear_refs``) just before it. A full garbage collection runs before each
@@ -78,6 +79,15 @@ class Ctx:
 
 Timed = tuple[Callable[[], Any], int]  # (the operation, bytes it moves)
 CONTENDERS: dict[str, tuple[str, Callable[[Ctx], Timed]]] = {}
+READS: dict[str, tuple[str, ...]] = {}
+"""The files (names in the bench directory) that a contender of a warm group reads: its worker
+reads them once, untimed, before the timed run (:func:`_warm`)."""
+
+WARM_GROUPS = ("read", "mmap", "prealloc", "stream", "partial", "touched", "keys", "small-read", "gpu", "gpu-limit")
+"""Groups whose contenders read files in the page cache. The bench's files (about ten of 2 GB
+each, rewritten every round by the writers) do not all fit this machine's page cache beside
+the readers' memory, so without :func:`_warm` a "warm" read found its file partly evicted in
+some rounds and not in others."""
 
 
 class Skip(Exception):
@@ -94,11 +104,29 @@ def _peer(module: str, extra: str) -> Any:
         raise Skip(f"{module} is not installed (pip install {extra})") from None
 
 
-def contender(name: str, group: str) -> Callable[[Callable[[Ctx], Timed]], Callable[[Ctx], Timed]]:
+def contender(name: str, group: str, reads: tuple[str, ...] = ()) -> Callable[[Callable[[Ctx], Timed]], Callable[[Ctx], Timed]]:
+    """Register a contender of ``group``; ``reads``: the files it reads (see :data:`READS`)."""
     def register(fn: Callable[[Ctx], Timed]) -> Callable[[Ctx], Timed]:
         CONTENDERS[name] = (group, fn)
+        READS[name] = reads
         return fn
     return register
+
+
+def _warm(paths: list[str]) -> None:
+    """Read each file once through the page cache into one reused buffer (untimed), so that
+    the timed run finds it all cached."""
+    buf = bytearray(8 << 20)
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            while os.readv(fd, [buf]) == len(buf):
+                pass
+        finally:
+            os.close(fd)
 
 
 _last_free = 0.0  # time.time() of the last unlink in this worker's set-up (its pages were freed then)
@@ -208,7 +236,7 @@ def _(ctx: Ctx) -> Timed:
     return (lambda: b.copy_(a)), n
 
 
-@contender("L.readinto fresh, 2 threads", "read")
+@contender("L.readinto fresh, 2 threads", "read", reads=("raw.bin",))
 def _(ctx: Ctx) -> Timed:
     from . import io
 
@@ -216,7 +244,7 @@ def _(ctx: Ctx) -> Timed:
     return (lambda: _preadv_all(ctx.path("raw.bin"), [io.empty((n,), torch.uint8)], 2)), n
 
 
-@contender("L.readinto fresh, 2 threads + huge pages", "read")
+@contender("L.readinto fresh, 2 threads + huge pages", "read", reads=("raw.bin",))
 def _(ctx: Ctx) -> Timed:
     from . import io
 
@@ -225,7 +253,7 @@ def _(ctx: Ctx) -> Timed:
     return (lambda: _preadv_all(ctx.path("raw.bin"), [io.empty((n,), torch.uint8)], 2)), n
 
 
-@contender("L.readinto touched, 2 threads", "touched")
+@contender("L.readinto touched, 2 threads", "touched", reads=("raw.bin",))
 def _(ctx: Ctx) -> Timed:
     n = os.path.getsize(ctx.path("raw.bin"))
     buf = torch.zeros(n, dtype=torch.uint8)
@@ -263,14 +291,14 @@ def _(ctx: Ctx) -> Timed:
     return (lambda: th5.save(sd, path)), ctx.nbytes(sd)
 
 
-@contender("R.tensorstore_h5 load", "read")
+@contender("R.tensorstore_h5 load", "read", reads=("ckpt.h5",))
 def _(ctx: Ctx) -> Timed:
     import tensorstore_h5 as th5
 
     return (lambda: th5.load(ctx.path("ckpt.h5"))), _file_data(ctx)
 
 
-@contender("R.tensorstore_h5 load(verify=True)", "read")
+@contender("R.tensorstore_h5 load(verify=True)", "read", reads=("ckpt.h5",))
 def _(ctx: Ctx) -> Timed:
     import tensorstore_h5 as th5
 
@@ -299,7 +327,7 @@ def _(ctx: Ctx) -> Timed:
     return (lambda: save_async(sd, path).result()), ctx.nbytes(sd)
 
 
-@contender("R.tensorstore_h5 load (io.HUGEPAGES = True)", "read")
+@contender("R.tensorstore_h5 load (io.HUGEPAGES = True)", "read", reads=("ckpt.h5",))
 def _(ctx: Ctx) -> Timed:
     import tensorstore_h5 as th5
     from tensorstore_h5 import io
@@ -308,14 +336,14 @@ def _(ctx: Ctx) -> Timed:
     return (lambda: th5.load(ctx.path("ckpt.h5"))), _file_data(ctx)
 
 
-@contender("R.tensorstore_h5 load(mmap) + touch", "mmap")
+@contender("R.tensorstore_h5 load(mmap) + touch", "mmap", reads=("ckpt.h5",))
 def _(ctx: Ctx) -> Timed:
     import tensorstore_h5 as th5
 
     return (lambda: _touch_all(th5.load(ctx.path("ckpt.h5"), mmap=True).values())), _file_data(ctx)
 
 
-@contender("R.tensorstore_h5 load_into (touched targets)", "prealloc")
+@contender("R.tensorstore_h5 load_into (touched targets)", "prealloc", reads=("ckpt.h5",))
 def _(ctx: Ctx) -> Timed:
     import tensorstore_h5 as th5
 
@@ -323,7 +351,7 @@ def _(ctx: Ctx) -> Timed:
     return (lambda: th5.load_into(target, ctx.path("ckpt.h5"))), _file_data(ctx)
 
 
-@contender("R.tensorstore_h5 items() streaming", "stream")
+@contender("R.tensorstore_h5 items() streaming", "stream", reads=("ckpt.h5",))
 def _(ctx: Ctx) -> Timed:
     import tensorstore_h5 as th5
 
@@ -334,7 +362,7 @@ def _(ctx: Ctx) -> Timed:
     return op, _file_data(ctx)
 
 
-@contender("R.tensorstore_h5 select 1% of keys", "partial")
+@contender("R.tensorstore_h5 select 1% of keys", "partial", reads=("ckpt.h5",))
 def _(ctx: Ctx) -> Timed:
     import tensorstore_h5 as th5
 
@@ -344,7 +372,7 @@ def _(ctx: Ctx) -> Timed:
     return (lambda: th5.load(ctx.path("ckpt.h5"), select=keys)), nbytes
 
 
-@contender("R.tensorstore_h5 1% row slice of every tensor", "partial")
+@contender("R.tensorstore_h5 1% row slice of every tensor", "partial", reads=("ckpt.h5",))
 def _(ctx: Ctx) -> Timed:
     import tensorstore_h5 as th5
 
@@ -382,12 +410,12 @@ def _(ctx: Ctx) -> Timed:
     return (lambda: torch.save(sd, path)), ctx.nbytes(sd)  # truncates in place: not atomic
 
 
-@contender("R.torch.load(weights_only)", "read")
+@contender("R.torch.load(weights_only)", "read", reads=("ckpt.pt",))
 def _(ctx: Ctx) -> Timed:
     return (lambda: torch.load(ctx.path("ckpt.pt"), weights_only=True)), _file_data(ctx)
 
 
-@contender("R.torch.load(mmap) + touch", "mmap")
+@contender("R.torch.load(mmap) + touch", "mmap", reads=("ckpt.pt",))
 def _(ctx: Ctx) -> Timed:
     return (lambda: _touch_all(torch.load(ctx.path("ckpt.pt"), weights_only=True, mmap=True).values())), _file_data(ctx)
 
@@ -404,21 +432,21 @@ def _(ctx: Ctx) -> Timed:
     return (lambda: save_file(sd, path)), ctx.nbytes(sd)
 
 
-@contender("R.safetensors load_file + clone", "read")
+@contender("R.safetensors load_file + clone", "read", reads=("ckpt.safetensors",))
 def _(ctx: Ctx) -> Timed:
     from safetensors.torch import load_file
 
     return (lambda: [t.clone() for t in load_file(ctx.path("ckpt.safetensors")).values()]), _file_data(ctx)
 
 
-@contender("R.safetensors load_file + touch", "mmap")
+@contender("R.safetensors load_file + touch", "mmap", reads=("ckpt.safetensors",))
 def _(ctx: Ctx) -> Timed:
     from safetensors.torch import load_file
 
     return (lambda: _touch_all(load_file(ctx.path("ckpt.safetensors")).values())), _file_data(ctx)
 
 
-@contender("R.safetensors safe_open get_tensor + copy_ (touched targets)", "prealloc")
+@contender("R.safetensors safe_open get_tensor + copy_ (touched targets)", "prealloc", reads=("ckpt.safetensors",))
 def _(ctx: Ctx) -> Timed:
     from safetensors import safe_open
 
@@ -431,7 +459,7 @@ def _(ctx: Ctx) -> Timed:
     return op, _file_data(ctx)
 
 
-@contender("R.safetensors safe_open streaming", "stream")
+@contender("R.safetensors safe_open streaming", "stream", reads=("ckpt.safetensors",))
 def _(ctx: Ctx) -> Timed:
     from safetensors import safe_open
 
@@ -443,7 +471,7 @@ def _(ctx: Ctx) -> Timed:
     return op, _file_data(ctx)
 
 
-@contender("M.tensorstore_h5 merge 3 checkpoints key by key (items + Writer)", "stream")
+@contender("M.tensorstore_h5 merge 3 checkpoints key by key (items + Writer)", "stream", reads=("ckpt.h5",))
 def _(ctx: Ctx) -> Timed:
     import tensorstore_h5 as th5
 
@@ -456,7 +484,7 @@ def _(ctx: Ctx) -> Timed:
     return op, _file_data(ctx)
 
 
-@contender("M.safetensors merge 3 checkpoints (safe_open + save_file)", "stream")
+@contender("M.safetensors merge 3 checkpoints (safe_open + save_file)", "stream", reads=("ckpt.safetensors",))
 def _(ctx: Ctx) -> Timed:
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -470,7 +498,7 @@ def _(ctx: Ctx) -> Timed:
     return op, _file_data(ctx)
 
 
-@contender("R.safetensors get_slice 1% rows of every tensor", "partial")
+@contender("R.safetensors get_slice 1% rows of every tensor", "partial", reads=("ckpt.safetensors",))
 def _(ctx: Ctx) -> Timed:
     from safetensors import safe_open
 
@@ -507,7 +535,7 @@ def _tensorizer_load(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
-@contender("R.tensorizer TensorDeserializer", "read")
+@contender("R.tensorizer TensorDeserializer", "read", reads=("ckpt.tensors",))
 def _(ctx: Ctx) -> Timed:
     _peer("tensorizer", "tensorizer")
     return (lambda: _tensorizer_load(ctx.path("ckpt.tensors"))), _file_data(ctx)
@@ -520,7 +548,7 @@ def _runai_load(path: str) -> dict[str, torch.Tensor]:
         return {k: t.clone() for k, t in st.get_tensors()}  # its tensors live in the streamer's buffer
 
 
-@contender("R.runai-model-streamer SafetensorsStreamer + clone", "read")
+@contender("R.runai-model-streamer SafetensorsStreamer + clone", "read", reads=("ckpt.safetensors",))
 def _(ctx: Ctx) -> Timed:
     _peer("runai_model_streamer", "runai-model-streamer")
     return (lambda: _runai_load(ctx.path("ckpt.safetensors"))), _file_data(ctx)
@@ -649,7 +677,7 @@ def _(ctx: Ctx) -> Timed:
     return op, ctx.nbytes(sd)
 
 
-@contender("R.pickle header + raw storages (frombuffer)", "read")
+@contender("R.pickle header + raw storages (frombuffer)", "read", reads=("ckpt.raw",))
 def _(ctx: Ctx) -> Timed:
     def op() -> dict[str, torch.Tensor]:
         with open(ctx.path("ckpt.raw"), "rb") as f:
@@ -681,7 +709,7 @@ def _(ctx: Ctx) -> Timed:
     return op, ctx.nbytes(sd)
 
 
-@contender("R.naive h5py ds[()] + from_numpy", "read")
+@contender("R.naive h5py ds[()] + from_numpy", "read", reads=("naive.h5",))
 def _(ctx: Ctx) -> Timed:
     import h5py
 
@@ -694,7 +722,7 @@ def _(ctx: Ctx) -> Timed:
 # -- many keys, many small objects
 
 
-@contender("K.tensorstore_h5 open + keys() (10,000 keys)", "keys")
+@contender("K.tensorstore_h5 open + keys() (10,000 keys)", "keys", reads=("many.h5",))
 def _(ctx: Ctx) -> Timed:
     import tensorstore_h5 as th5
 
@@ -704,7 +732,7 @@ def _(ctx: Ctx) -> Timed:
     return op, 0
 
 
-@contender("K.safetensors safe_open + keys() (10,000 keys)", "keys")
+@contender("K.safetensors safe_open + keys() (10,000 keys)", "keys", reads=("many.safetensors",))
 def _(ctx: Ctx) -> Timed:
     from safetensors import safe_open
 
@@ -714,14 +742,14 @@ def _(ctx: Ctx) -> Timed:
     return op, 0
 
 
-@contender("K.tensorstore_h5 load (10,000 keys)", "keys")
+@contender("K.tensorstore_h5 load (10,000 keys)", "keys", reads=("many.h5",))
 def _(ctx: Ctx) -> Timed:
     import tensorstore_h5 as th5
 
     return (lambda: th5.load(ctx.path("many.h5"))), 10_000 * 16
 
 
-@contender("K.safetensors load_file (10,000 keys)", "keys")
+@contender("K.safetensors load_file (10,000 keys)", "keys", reads=("many.safetensors",))
 def _(ctx: Ctx) -> Timed:
     from safetensors.torch import load_file
 
@@ -750,14 +778,14 @@ def _(ctx: Ctx) -> Timed:
     return (lambda: torch.save(obj, ctx.path("small.pt"))), 2000 * (4 + 128)
 
 
-@contender("S.tensorstore_h5 load small objects", "small-read")
+@contender("S.tensorstore_h5 load small objects", "small-read", reads=("small.h5",))
 def _(ctx: Ctx) -> Timed:
     import tensorstore_h5 as th5
 
     return (lambda: th5.load(ctx.path("small.h5"))), 2000 * (4 + 128)
 
 
-@contender("S.torch.load small objects", "small-read")
+@contender("S.torch.load small objects", "small-read", reads=("small.pt",))
 def _(ctx: Ctx) -> Timed:
     return (lambda: torch.load(ctx.path("small.pt"), weights_only=True)), 2000 * (4 + 128)
 
@@ -781,7 +809,7 @@ def _synced(fn: Callable[[], Any]) -> Callable[[], Any]:
     return op
 
 
-@contender("G.L.file read into pinned memory, 2 threads", "gpu-limit")
+@contender("G.L.file read into pinned memory, 2 threads", "gpu-limit", reads=("raw.bin",))
 def _(ctx: Ctx) -> Timed:
     _cuda()
     n = os.path.getsize(ctx.path("raw.bin"))
@@ -789,7 +817,7 @@ def _(ctx: Ctx) -> Timed:
     return (lambda: _preadv_all(ctx.path("raw.bin"), [buf], 2)), n
 
 
-@contender("G.L.file read into pinned memory, I/O threads", "gpu-limit")
+@contender("G.L.file read into pinned memory, I/O threads", "gpu-limit", reads=("raw.bin",))
 def _(ctx: Ctx) -> Timed:
     """As many reading threads as tensorstore_h5 uses (io.IO_THREADS: 8 on a machine of 8 or
     more cores), so the limit is not set by fewer threads than the load it bounds."""
@@ -801,7 +829,7 @@ def _(ctx: Ctx) -> Timed:
     return (lambda: _preadv_all(ctx.path("raw.bin"), [buf], io.IO_THREADS)), n
 
 
-@contender("G.L.pinned host-to-device copy", "gpu-limit")
+@contender("G.L.pinned host-to-device copy", "gpu-limit", reads=("raw.bin",))
 def _(ctx: Ctx) -> Timed:
     dev = _cuda()
     n = os.path.getsize(ctx.path("raw.bin"))
@@ -810,7 +838,7 @@ def _(ctx: Ctx) -> Timed:
     return _synced(lambda: dst.copy_(src, non_blocking=True)), n
 
 
-@contender("G.tensorstore_h5 load(device=cuda)", "gpu")
+@contender("G.tensorstore_h5 load(device=cuda)", "gpu", reads=("ckpt.h5",))
 def _(ctx: Ctx) -> Timed:
     import tensorstore_h5 as th5
 
@@ -818,7 +846,7 @@ def _(ctx: Ctx) -> Timed:
     return _synced(lambda: th5.load(ctx.path("ckpt.h5"), device="cuda")), _file_data(ctx)
 
 
-@contender("G.tensorstore_h5 load_into (CUDA targets)", "gpu")
+@contender("G.tensorstore_h5 load_into (CUDA targets)", "gpu", reads=("ckpt.h5",))
 def _(ctx: Ctx) -> Timed:
     import tensorstore_h5 as th5
 
@@ -827,13 +855,13 @@ def _(ctx: Ctx) -> Timed:
     return _synced(lambda: th5.load_into(target, ctx.path("ckpt.h5"))), _file_data(ctx)
 
 
-@contender("G.torch.load(map_location=cuda)", "gpu")
+@contender("G.torch.load(map_location=cuda)", "gpu", reads=("ckpt.pt",))
 def _(ctx: Ctx) -> Timed:
     _cuda()
     return _synced(lambda: torch.load(ctx.path("ckpt.pt"), weights_only=True, map_location="cuda")), _file_data(ctx)
 
 
-@contender("G.safetensors load_file(device=cuda)", "gpu")
+@contender("G.safetensors load_file(device=cuda)", "gpu", reads=("ckpt.safetensors",))
 def _(ctx: Ctx) -> Timed:
     from safetensors.torch import load_file
 
@@ -902,8 +930,10 @@ def worker(name: str, ctx: Ctx, not_before: float = 0.0, settle: float = 0.0, pr
         op, nbytes = CONTENDERS[name][1](ctx)
     except Skip as e:
         return {"name": name, "skip": str(e)}
-    gc.collect()  # start every contender with the same collector state, as timeit does (see module doc)
     group = CONTENDERS[name][0]
+    if group in WARM_GROUPS:
+        _warm([ctx.path(f) for f in READS.get(name, ())])
+    gc.collect()  # start every contender with the same collector state, as timeit does (see module doc)
     if group in SYNCED_GROUPS:
         os.sync()
     if group in SETTLED_GROUPS and _last_free:

@@ -42,8 +42,9 @@ _LAYOUT_MESSAGE = struct.Struct("<BHBBBQQ")  # a contiguous layout message (vers
 DENSE_LINKS = 64
 """Groups of more links than this keep them in a fractal heap indexed by a version-2 B-tree
 of their names' hashes ("dense" storage, as libhdf5 does above 8 links) instead of in the
-group's object header, where libhdf5 finds a name by a linear scan (0.32 against 0.12 ms a
-lookup through h5py in a group of 20,000 links)."""
+group's object header, where libhdf5 finds a name by a linear scan (in a group of 20,000
+links, 0.233 ms a lookup through h5py in the header, 0.082 in dense storage written here,
+0.089 in libhdf5's own)."""
 
 MAX_DENSE_LINKS = (2**19 - 10) // 11
 """The most links (47,662) of a dense group encoded here: its name index is one B-tree leaf,
@@ -283,7 +284,7 @@ def _dense_links(names: list[str], links: list[bytes], at: int) -> tuple[bytes, 
     used = _DIRECT_PREFIX + sum(map(len, links))
     block = max(512, 1 << (used - 1).bit_length())
     node = max(512, 1 << (10 + 11 * len(links) - 1).bit_length())
-    if block > 2**31 or node > 2**19 or len(links) > MAX_DENSE_LINKS:
+    if block > 2**31 or node > 2**19 or len(links) > MAX_DENSE_LINKS or max(map(len, links)) > _MAX_MANAGED:
         return None
     heap_at = at
     block_at = heap_at + _HEAP_HEADER.size + 4
@@ -398,7 +399,7 @@ class Builder:
             assert isinstance(group, _Group)
             links = [head + (where[target] - base).to_bytes(8, "little") for head, target in group.links.values()]
             dense = None
-            if DENSE_LINKS < len(links) <= MAX_DENSE_LINKS and max(map(len, links)) - 4 <= _MAX_MANAGED:
+            if DENSE_LINKS < len(links) <= MAX_DENSE_LINKS:  # the link messages without their 4-byte headers
                 dense = _dense_links(list(group.links), [link[4:] for link in links], pos - base)
             if dense is None:
                 messages = [_message(_LINK_INFO, b"\x00\x00" + struct.pack("<QQ", _UNDEF, _UNDEF)),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tensorstore_h5 import bench
@@ -103,6 +105,51 @@ def test_the_package_is_imported_before_the_timed_operation(tmp_path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"api": True}
+
+
+def test_a_warm_contender_finds_its_files_in_the_page_cache(tmp_path) -> None:
+    """A contender of a warm group reads its declared files once before the timed run: a file
+    dropped from the page cache is cached again when the operation starts (RWF_NOWAIT reads
+    of its first and last bytes succeed); a writer's files are left as they are."""
+    from tensorstore_h5 import bench
+
+    if not hasattr(os, "RWF_NOWAIT") or not hasattr(os, "posix_fadvise"):
+        pytest.skip("needs RWF_NOWAIT and posix_fadvise")
+    path = tmp_path / "in.bin"
+    path.write_bytes(os.urandom(3 << 20))
+
+    def dropped() -> None:
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+    def cached() -> bool:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for at in (0, (3 << 20) - 4096):
+                os.preadv(fd, [bytearray(4096)], at, os.RWF_NOWAIT)
+            return True
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+
+    seen = {}
+    for group in ("read", "write"):
+        bench.contender(f"X.{group}", group, reads=("in.bin",))(lambda ctx, g=group: ((lambda: seen.setdefault(g, cached())), 0))
+    try:
+        dropped()
+        if cached():
+            pytest.skip("this file system keeps the file cached despite POSIX_FADV_DONTNEED")
+        bench.worker("X.read", bench.Ctx(str(tmp_path), 0, 0))
+        dropped()
+        bench.worker("X.write", bench.Ctx(str(tmp_path), 0, 0))
+    finally:
+        for group in ("read", "write"):
+            bench.CONTENDERS.pop(f"X.{group}")
+            bench.READS.pop(f"X.{group}")
+    assert seen == {"read": True, "write": False}
 
 
 def test_remote_bench_measures_every_operation_and_counts_bytes_on_the_server() -> None:

@@ -384,6 +384,8 @@ class ReadPlan:
         self._raw = raw
         self._threads = IO_THREADS if threads is None else threads
         self._batch: list[Callable[[], None]] = []
+        self._window: list[tuple[int, int, torch.Tensor, Any, int | None]] = []  # small reads to be read together
+        self._window_end = 0
         self._pending = 0
         self._futures: list[Future[None]] = []
         self.nbytes = 0
@@ -402,6 +404,27 @@ class ReadPlan:
                 job = functools.partial(_checked, job, piece, hashes[i], i, start)
             self.add_job(job if wrap is None else wrap(job), len(piece))
 
+    def add_small(self, offset: int, out: torch.Tensor, wrap: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
+                  expected: int | None = None) -> None:
+        """Read the ``out.nbytes`` bytes (at most :data:`SMALL_READ_BYTES`) at ``offset`` into
+        the contiguous CPU tensor ``out`` together with the small reads added just before it
+        that lie close by: one ``pread`` of their whole window (:data:`SMALL_WINDOW_BYTES` at
+        most), then a copy into each tensor. With ``expected``, the bytes' XXH3 is checked
+        (ChecksumError). Errors come out of ``wrap(job)()``, as for :meth:`add`: a window whose
+        read fails is read again tensor by tensor, so that the error names its tensor."""
+        n = out.numel() * out.element_size()
+        window = self._window
+        if window and not (self._window_end <= offset <= self._window_end + SMALL_GAP
+                           and offset + n - window[0][0] <= SMALL_WINDOW_BYTES):
+            self._flush_small()
+        self._window.append((offset, n, out, wrap, expected))
+        self._window_end = offset + n
+
+    def _flush_small(self) -> None:
+        window, self._window = self._window, []
+        if window:
+            self.add_job(functools.partial(_read_window, self._raw, window), self._window_end - window[0][0])
+
     def add_job(self, job: Callable[[], None], cost: int) -> None:
         """Run ``job()``, which costs about as much as reading ``cost`` bytes, with the others."""
         self._batch.append(job)
@@ -413,18 +436,49 @@ class ReadPlan:
 
     def run(self) -> None:
         """Finish every job; raises the first error (EOFError, OSError, ...) once all are done."""
+        self._flush_small()
         batch, futures = self._batch, self._futures
         self._batch, self._pending, self._futures = [], 0, []
         _finish(functools.partial(_run_all, batch), futures)
 
     def abandon(self) -> None:
         """Drop the jobs not started yet and wait for the running ones (after an error)."""
-        futures, self._futures, self._batch = self._futures, [], []
+        futures, self._futures, self._batch, self._window = self._futures, [], [], []
         for f in futures:
             f.cancel()
         for f in futures:
             if not f.cancelled():
                 f.exception()
+
+
+def _read_window(raw: Any, items: list[tuple[int, int, torch.Tensor, Any, int | None]]) -> None:
+    """One job of :meth:`ReadPlan.add_small`: ``items`` are ``(offset, nbytes, tensor, wrap,
+    expected hash)``, in file order."""
+    start = items[0][0]
+    buf = bytearray(items[-1][0] + items[-1][1] - start)
+    try:
+        raw.pread(start, memoryview(buf))
+    except (EOFError, OSError):
+        for offset, _, out, wrap, expected in items:  # again one by one: the error names its tensor
+            view = tensor_buffer(out)
+            job: Callable[[], None] = functools.partial(raw.pread, offset, view)
+            if expected is not None:
+                job = functools.partial(_checked, job, view, expected, 0, 0)
+            (job if wrap is None else wrap(job))()
+        return
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    view = memoryview(buf)
+    for offset, n, out, wrap, expected in items:
+        at = offset - start
+        ctypes.memmove(out.data_ptr(), base + at, n)
+        if expected is not None and checksum.digest(view[at:at + n]) != expected:
+            error = checksum.ChecksumError(f"block 0, bytes 0..{n} of its data")
+            failed = functools.partial(_raise, error)
+            (failed if wrap is None else wrap(failed))()
+
+
+def _raise(error: BaseException) -> None:
+    raise error
 
 
 def _checked(read: Callable[[], None], piece: memoryview, expected: int, index: int, start: int) -> None:
@@ -470,6 +524,18 @@ def submit_jobs(jobs: list[Callable[[], None]]) -> list[Future[None]]:
 def wait_all(futures: list[Future[None]]) -> None:
     """Wait for every future; raise the first error once all have ended."""
     _finish(lambda: None, futures)
+
+
+SMALL_READ_BYTES = 64 * 2**10
+"""Tensors of at most this many bytes are read by :meth:`ReadPlan.add_small`: with their
+neighbours, one ``pread`` per window instead of one each, without the general read path's
+per-tensor work (a load of 10,000 tensors of 16 bytes: 276 -> ~200 ms)."""
+
+SMALL_WINDOW_BYTES = 2**20
+"""The most bytes one window of small reads spans."""
+
+SMALL_GAP = 4096
+"""Small reads further apart than this start a new window."""
 
 
 SPLIT_MIN_BYTES = 2**20

@@ -792,7 +792,15 @@ class Store:
                 if entry.stride is not None:
                     t = self._restore(t, entry)  # on the device
             elif t is None:  # queued when nothing is done to it after the read
-                t = self._read_tensor(entry, sel, None, restore_layout=True, plan=plan, verify=verify)
+                where = self._where(entry) if plan is not None and entry.stride is None else None
+                if type(where) is Contiguous and 0 < where.nbytes <= io.SMALL_READ_BYTES and \
+                        (not where.hashes or len(where.hashes) == 1):  # read with its neighbours
+                    assert plan is not None
+                    t = self._empty(entry, entry.shape)
+                    plan.add_small(where.offset, t, lambda job, e=entry: self._keyed(job, e),
+                                   where.hashes[0] if verify and where.hashes else None)
+                else:
+                    t = self._read_tensor(entry, sel, None, restore_layout=True, plan=plan, verify=verify)
             t = _flagged(t, entry)
             cache[origin] = t
         return t

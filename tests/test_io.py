@@ -17,7 +17,7 @@ from tensorstore_h5 import io
 from tensorstore_h5.format import Contiguous
 from tensorstore_h5.hdf5source import HDF5Read
 
-from helpers import ALL_DTYPES, assert_same_tensor, bits, random_tensor
+from helpers import ALL_DTYPES, assert_same, assert_same_tensor, bits, random_tensor
 
 GOLDEN = Path(__file__).parent / "data" / "v1.h5"
 
@@ -487,3 +487,67 @@ def test_block_hashes_cut_any_buffer_into_blocks(n) -> None:
     assert checksum.block_hashes(memoryview(np.frombuffer(data, dtype=np.uint8)), 4096) == expected
     if n % 4 == 0:  # a buffer of 4-byte items: blocks are counted in bytes
         assert checksum.block_hashes(np.frombuffer(data, dtype=np.float32), 4096) == expected
+
+
+def _small_state(n: int = 300) -> dict:
+    g = torch.Generator().manual_seed(5)
+    return {f"b{i // 10}": {f"p{i % 10}": torch.randn(i % 7 + 1, generator=g) for i in range(i, i + 10)}
+            for i in range(0, n, 10)} | {"big": torch.randn(100_000, generator=g), "scalar": torch.tensor(3),
+                                        "h": torch.ones(3, dtype=torch.float16)}
+
+
+def test_small_tensors_are_read_in_windows_into_storages_of_their_own(tmp_path, monkeypatch) -> None:
+    """A load reads neighbouring small tensors with one pread per window (ReadPlan.add_small),
+    yet each tensor comes back bitwise right, in memory of its own (no view into the window)."""
+    sd = _small_state()
+    th5.save(sd, tmp_path / "f.h5")
+    calls = []
+    real = io.RawFile.pread
+    monkeypatch.setattr(io.RawFile, "pread", lambda self, at, view: (calls.append(len(view)), real(self, at, view))[1])
+    out = th5.load(tmp_path / "f.h5", verify=True)
+    assert_same(out, sd)
+    small = [t for group in out.values() if isinstance(group, dict) for t in group.values()]
+    assert len(small) == 300 and all(t.untyped_storage().nbytes() == t.nbytes for t in small)
+    assert len({t.data_ptr() for t in small}) == 300
+    assert len(calls) < 20  # 300 small tensors, the big one, the header and layout: not one read each
+
+
+def test_a_corrupt_small_tensor_is_named_among_its_window(tmp_path) -> None:
+    """verify=True names the small tensor whose bytes changed, not a neighbour in its window;
+    a file cut inside a window names the first tensor that is missing bytes."""
+    sd = _small_state()
+    th5.save(sd, tmp_path / "f.h5")
+    with th5.open(tmp_path / "f.h5") as s:
+        at = s._entry("b7/p3").extent.offset
+        cut = s._entry("b12/p1").extent.offset + 2
+    raw = bytearray((tmp_path / "f.h5").read_bytes())
+    raw[at] ^= 0xFF
+    (tmp_path / "bad.h5").write_bytes(bytes(raw))
+    with pytest.raises(th5.FormatError, match=r"bad\.h5.*'b7/p3'"):
+        th5.load(tmp_path / "bad.h5", verify=True)
+    assert not torch.equal(th5.load(tmp_path / "bad.h5")["b7"]["p3"], sd["b7"]["p3"])  # unverified: as stored
+    with th5.open(tmp_path / "f.h5") as s:  # the same file, as if it ended inside b12/p1
+        raw = s._rawfile()
+        real = raw.pread
+
+        def short(at, view):
+            if at + len(view) > cut:
+                raise EOFError(f"file ends at byte {cut}")
+            real(at, view)
+
+        raw.pread = short
+        plan = io.ReadPlan(raw, threads=1)
+        for k in ("b12/p0", "b12/p1", "b12/p2"):
+            e = s._entry(k)
+            plan.add_small(e.extent.offset, torch.empty(e.shape, dtype=e.dtype.torch_dtype), lambda job, k=k: _named(job, k))
+        with pytest.raises(KeyError, match="b12/p1"):
+            plan.run()
+
+
+def _named(job, key):
+    def run():
+        try:
+            job()
+        except EOFError as e:
+            raise KeyError(key) from e
+    return run

@@ -104,7 +104,8 @@ def _peer(module: str, extra: str) -> Any:
         raise Skip(f"{module} is not installed (pip install {extra})") from None
 
 
-def contender(name: str, group: str, reads: tuple[str, ...] = ()) -> Callable[[Callable[[Ctx], Timed]], Callable[[Ctx], Timed]]:
+def contender(name: str, group: str, reads: tuple[str, ...] = ()
+              ) -> Callable[[Callable[[Ctx], Timed]], Callable[[Ctx], Timed]]:
     """Register a contender of ``group``; ``reads``: the files it reads (see :data:`READS`)."""
     def register(fn: Callable[[Ctx], Timed]) -> Callable[[Ctx], Timed]:
         CONTENDERS[name] = (group, fn)

@@ -404,7 +404,8 @@ class ReadPlan:
                 job = functools.partial(_checked, job, piece, hashes[i], i, start)
             self.add_job(job if wrap is None else wrap(job), len(piece))
 
-    def add_small(self, offset: int, out: torch.Tensor, wrap: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
+    def add_small(self, offset: int, out: torch.Tensor,
+                  wrap: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
                   expected: int | None = None) -> None:
         """Read the ``out.nbytes`` bytes (at most :data:`SMALL_READ_BYTES`) at ``offset`` into
         the contiguous CPU tensor ``out`` together with the small reads added just before it

@@ -243,9 +243,10 @@ class Writer:
     ``path``. Without compression, the data of each tensor is written at the next 64-byte
     boundary and the HDF5 metadata, encoded by :mod:`tensorstore_h5.hdf5meta`, after it all
     at close; with compression (and for :func:`save` of a tree with a group of more than
-    :data:`ENCODED_LINKS` keys), libhdf5 creates each dataset as it is written. An exception inside the ``with`` block, or :meth:`abort`, removes the partial
-    file and leaves any earlier file at ``path`` untouched. Temporaries of ``path`` left by
-    killed saves are removed when the writer starts (see :func:`sweep_partials`).
+    :data:`ENCODED_LINKS` keys), libhdf5 creates each dataset as it is written. An exception
+    inside the ``with`` block, or :meth:`abort`, removes the partial file and leaves any
+    earlier file at ``path`` untouched. Temporaries of ``path`` left by killed saves are
+    removed when the writer starts (see :func:`sweep_partials`).
 
     Example::
 
@@ -557,7 +558,8 @@ class Writer:
         if type(t) is not torch.Tensor or t.requires_grad or not t.is_cpu:
             return None
         nbytes = t.nbytes
-        if not 0 < nbytes < GATHER_BYTES or nbytes > checksum.HASH_BLOCK or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        if not 0 < nbytes < GATHER_BYTES or nbytes > checksum.HASH_BLOCK or not t.is_contiguous() or t.is_conj() \
+                or t.is_neg():
             return None
         shape = tuple(t.shape)
         alias_key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), shape, tuple(t.stride()), t.dtype,

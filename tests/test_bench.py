@@ -137,7 +137,8 @@ def test_a_warm_contender_finds_its_files_in_the_page_cache(tmp_path) -> None:
 
     seen = {}
     for group in ("read", "write"):
-        bench.contender(f"X.{group}", group, reads=("in.bin",))(lambda ctx, g=group: ((lambda: seen.setdefault(g, cached())), 0))
+        probe = (lambda ctx, g=group: ((lambda: seen.setdefault(g, cached())), 0))
+        bench.contender(f"X.{group}", group, reads=("in.bin",))(probe)
     try:
         dropped()
         if cached():

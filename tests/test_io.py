@@ -539,7 +539,8 @@ def test_a_corrupt_small_tensor_is_named_among_its_window(tmp_path) -> None:
         plan = io.ReadPlan(raw, threads=1)
         for k in ("b12/p0", "b12/p1", "b12/p2"):
             e = s._entry(k)
-            plan.add_small(e.extent.offset, torch.empty(e.shape, dtype=e.dtype.torch_dtype), lambda job, k=k: _named(job, k))
+            out = torch.empty(e.shape, dtype=e.dtype.torch_dtype)
+            plan.add_small(e.extent.offset, out, lambda job, k=k: _named(job, k))
         with pytest.raises(KeyError, match="b12/p1"):
             plan.run()
 

@@ -44,6 +44,12 @@ BATCH_BYTES = 64 * 2**20
 """A load of a remote file fetches about this many bytes at a time, the next batches while the
 tensors of the current one are filled."""
 
+FIRST_BATCH_BYTES = 8 * 2**20
+"""The first batch of a remote load fetches about this many bytes, each next one twice as many
+up to :data:`BATCH_BYTES`: the first requests wait for their tensors' memory to be made
+(faulted in, ~40 ms for 64 MiB here), later ones get it made while earlier requests are in
+flight."""
+
 FETCH_AHEAD = 2
 """Batches a remote load downloads ahead of the one it fills (at most ``FETCH_AHEAD + 1``
 batches are held), so that one slow batch does not leave the connection idle."""

@@ -158,6 +158,7 @@ def test_the_next_batches_download_while_the_current_one_is_read(served, server,
 
     _, objs = served
     monkeypatch.setattr(remote, "BATCH_BYTES", 64 * 2**20)
+    monkeypatch.setattr(remote, "FIRST_BATCH_BYTES", 64 * 2**20)  # no growing batches here: see the next test
     monkeypatch.setattr(remote, "DIRECT_BYTES", 1 << 20 if streamed else 1 << 40)
     assert remote.FETCH_AHEAD >= 1
     fetches: list[int] = []
@@ -196,6 +197,27 @@ def test_the_next_batches_download_while_the_current_one_is_read(served, server,
         assert len(gets) == len(objs["big"]) and sum(gets) == data
     else:  # coalesced: the datasets' data lie back to back (any alignment padding comes along)
         assert data <= sum(gets) <= data + 64 * 1024 and len(gets) < len(objs["big"])
+
+
+def test_the_first_batches_of_a_load_grow_to_the_batch_size(served, server, monkeypatch) -> None:
+    """The first batch fetches about FIRST_BATCH_BYTES, each next one twice as many up to
+    BATCH_BYTES, so that the first requests do not wait for 64 MiB of new tensors to be made;
+    the tensors come back right."""
+    _, objs = served
+    monkeypatch.setattr(remote, "BATCH_BYTES", 64 * 2**20)
+    monkeypatch.setattr(remote, "FIRST_BATCH_BYTES", 8 * 2**20)
+    fetches: list[int] = []
+    real_fetch = remote.RemoteSource.fetch
+
+    def fetch(self, ranges, into=()):
+        fetches.append(sum(n for _, n in ranges) + sum(len(v) for _, v in into))
+        return real_fetch(self, ranges, into)
+
+    monkeypatch.setattr(remote.RemoteSource, "fetch", fetch)
+    out = th5.load(server.url("big.h5"))
+    assert all(torch.equal(out[k], v) for k, v in objs["big"].items())
+    assert [-(-n // 2**20) for n in fetches[:4]] == [8, 16, 32, 64], fetches  # 2 MiB tensors fill each exactly
+    assert max(fetches) <= 64 * 2**20 and sum(fetches) == sum(v.nbytes for v in objs["big"].values())
 
 
 def test_large_tensors_stream_into_their_own_memory_exactly(served, server) -> None:

@@ -506,7 +506,7 @@ class Store:
             streamed = direct is not None and direct(entry)
             more = self._ranges(entry)
             grow = sum(n for _, n in more)
-            limit = min(remote.BATCH_BYTES, remote.FIRST_BATCH_BYTES << (len(groups) - 1))  # growing: see FIRST_BATCH_BYTES
+            limit = min(remote.BATCH_BYTES, remote.FIRST_BATCH_BYTES << (len(groups) - 1))  # see FIRST_BATCH_BYTES
             if groups[-1][0] and size and size + grow > limit:
                 groups.append(([], [], []))
                 size = 0

@@ -191,7 +191,8 @@ class Container:
     type: str
     module_metadata: dict[str, dict[str, Any]] | None = None
 
-    def __init__(self, path: str, key: Any, type: str, module_metadata: dict[str, dict[str, Any]] | None = None) -> None:
+    def __init__(self, path: str, key: Any, type: str,
+                 module_metadata: dict[str, dict[str, Any]] | None = None) -> None:
         # The frozen dataclass's own __init__ sets each field through object.__setattr__;
         # flattening a state of thousands of small objects makes one per container and leaf.
         self.__dict__.update(path=path, key=key, type=type, module_metadata=module_metadata)

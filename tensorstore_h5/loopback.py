@@ -79,11 +79,6 @@ class RangeServer:
                 b = server.behaviour
                 if b.latency:
                     time.sleep(b.latency)
-                self.send_response(status)
-                for k, v in headers.items():
-                    self.send_header(k, v)
-                self.send_header("Content-Length", str(len(body) if length is None else length))
-                self.end_headers()
                 drop = False
                 if send_body:
                     with server._lock:
@@ -91,8 +86,14 @@ class RangeServer:
                         if drop:
                             b.drop_next -= 1
                 sent = 0 if not send_body else len(body) // 2 if drop else len(body)
-                with server._lock:  # counted before it is sent: the client may be done before this thread
+                with server._lock:  # counted before anything is sent (headers included: a HEAD is done
+                    # when they arrive): the client may be done before this thread goes on
                     server.requests.append((self.command, self.headers.get("Range", ""), sent))
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body) if length is None else length))
+                self.end_headers()
                 if send_body:
                     self.wfile.write(body[:sent])
                     self.wfile.flush()

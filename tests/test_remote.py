@@ -216,7 +216,9 @@ def test_the_first_batches_of_a_load_grow_to_the_batch_size(served, server, monk
     monkeypatch.setattr(remote.RemoteSource, "fetch", fetch)
     out = th5.load(server.url("big.h5"))
     assert all(torch.equal(out[k], v) for k, v in objs["big"].items())
-    assert [-(-n // 2**20) for n in fetches[:4]] == [8, 16, 32, 64], fetches  # 2 MiB tensors fill each exactly
+    mib = [-(-n // 2**20) for n in fetches]  # 2 MiB tensors fill each batch exactly
+    # the first two batches go out at once (either may be recorded first), the next ones after them
+    assert sorted(mib[:2]) == [8, 16] and sorted(mib[2:4]) == [32, 64] and set(mib[4:]) <= {16, 32, 64}, mib
     assert max(fetches) <= 64 * 2**20 and sum(fetches) == sum(v.nbytes for v in objs["big"].values())
 
 

@@ -399,9 +399,7 @@ class ReadPlan:
         view = tensor_buffer(out)
         for i, start in enumerate(range(0, len(view), block)):
             piece = view[start:start + block]
-            job: Callable[[], None] = functools.partial(self._raw.pread, offset + start, piece)
-            if hashes is not None:
-                job = functools.partial(_checked, job, piece, hashes[i], i, start)
+            job = _read_job(self._raw, offset + start, piece, None if hashes is None else hashes[i], i, start)
             self.add_job(job if wrap is None else wrap(job), len(piece))
 
     def add_small(self, offset: int, out: torch.Tensor,
@@ -461,10 +459,7 @@ def _read_window(raw: Any, items: list[tuple[int, int, torch.Tensor, Any, int | 
         raw.pread(start, memoryview(buf))
     except (EOFError, OSError):
         for offset, _, out, wrap, expected in items:  # again one by one: the error names its tensor
-            view = tensor_buffer(out)
-            job: Callable[[], None] = functools.partial(raw.pread, offset, view)
-            if expected is not None:
-                job = functools.partial(_checked, job, view, expected, 0, 0)
+            job = _read_job(raw, offset, tensor_buffer(out), expected)
             (job if wrap is None else wrap(job))()
         return
     base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
@@ -473,13 +468,16 @@ def _read_window(raw: Any, items: list[tuple[int, int, torch.Tensor, Any, int | 
         at = offset - start
         ctypes.memmove(out.data_ptr(), base + at, n)
         if expected is not None and checksum.digest(view[at:at + n]) != expected:
-            error = checksum.ChecksumError(f"block 0, bytes 0..{n} of its data")
-            failed = functools.partial(_raise, error)
+            failed = functools.partial(_checked, lambda: None, view[at:at + n], expected, 0, 0)  # raises, naming it
             (failed if wrap is None else wrap(failed))()
 
 
-def _raise(error: BaseException) -> None:
-    raise error
+def _read_job(raw: Any, offset: int, view: memoryview, expected: int | None = None, index: int = 0,
+              start: int = 0) -> Callable[[], None]:
+    """A job reading the bytes at ``offset`` into ``view``; with ``expected``, then checking
+    their XXH3 (ChecksumError naming hash block ``index``, which starts ``start`` bytes in)."""
+    job: Callable[[], None] = functools.partial(raw.pread, offset, view)
+    return job if expected is None else functools.partial(_checked, job, view, expected, index, start)
 
 
 def _checked(read: Callable[[], None], piece: memoryview, expected: int, index: int, start: int) -> None:

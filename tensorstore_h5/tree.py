@@ -86,7 +86,7 @@ def name_for_key(key: Any, path: str) -> str:
         return escape(key)
     if type(key) is int:
         return str(key)  # digits and "-": nothing to escape
-    if key is None or type(key) in (int, float, bool):
+    if key is None or type(key) in (float, bool):
         return escape(str(key))
     raise UnsupportedTypeError(
         f"dict key {key!r} of type {type(key).__name__} under key path {path!r} cannot be stored; "
@@ -179,7 +179,7 @@ CONTAINER_TYPES: dict[str, type] = {"dict": dict, "OrderedDict": OrderedDict, "l
 _TYPE_NAMES = {v: k for k, v in CONTAINER_TYPES.items()}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Container:
     """A dict, OrderedDict, list or tuple at ``path``; ``key`` is its key in the parent dict
     (None for list/tuple items and the root). ``module_metadata`` is the ``_metadata``
@@ -198,7 +198,7 @@ class Container:
         self.__dict__.update(path=path, key=key, type=type, module_metadata=module_metadata)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Leaf:
     """A tensor, numpy array or plain value at ``path``; ``key`` as for :class:`Container`."""
 
@@ -237,10 +237,10 @@ def _flatten(obj: Any, path: str, key: Any, out: list[Container | Leaf], active:
                         f"dict keys {seen[name]!r} and {k!r} under key path {path!r} both map to the name {name!r}"
                     )
                 seen[name] = k
-                _flatten(v, f"{path}/{name}" if path else name, k, out, active)  # join(), inline
+                _flatten(v, join(path, name), k, out, active)
         else:
             for i, v in enumerate(obj):
-                _flatten(v, f"{path}/{i}" if path else str(i), None, out, active)
+                _flatten(v, join(path, str(i)), None, out, active)
         active.discard(id(obj))
     elif isinstance(obj, torch.Tensor):
         out.append(Leaf(path, key, obj))

@@ -5,9 +5,10 @@ for the 6,000 small tensors of a model's optimizer state, more than ``torch.save
 all of it. A file whose datasets are all contiguous and uncompressed needs few kinds of HDF5
 metadata, which :class:`Builder` encodes after the data is written (docs/FORMAT.md, "The
 HDF5 part"): a version-3 superblock, and version-2 object headers (checksummed with Jenkins'
-lookup3, as HDF5 does) for groups, with their links in the header, and for datasets, with
-dataspace, datatype, fill value, contiguous layout, reference count (hard links) and
-attributes. Datatype and fill-value messages are the bytes libhdf5 itself writes for the same
+lookup3, as HDF5 does) for groups, with their links in the header or, in groups of more
+than :data:`DENSE_LINKS` links, in a fractal heap indexed by a B-tree of name hashes, and for
+datasets, with dataspace, datatype, fill value, contiguous layout, reference count (hard links)
+and attributes. Datatype and fill-value messages are the bytes libhdf5 itself writes for the same
 type, taken once per type from a dataset it creates in memory.
 
 Addresses in HDF5 metadata are relative to the superblock (``base``); every address this
@@ -47,7 +48,7 @@ links, 0.233 ms a lookup through h5py in the header, 0.082 in dense storage writ
 0.089 in libhdf5's own)."""
 
 MAX_DENSE_LINKS = (2**19 - 10) // 11
-"""The most links (47,662) of a dense group encoded here: its name index is one B-tree leaf,
+"""The most links (47,661) of a dense group encoded here: its name index is one B-tree leaf,
 whose capacity libhdf5 must be able to count in 2 bytes (so a node of at most 2**19 bytes of
 11-byte records). A group of more links keeps them in its header."""
 
@@ -172,10 +173,20 @@ def lookup3_many(blobs: list[bytes]) -> list[int]:
 # ------------------------------------------------------------------- messages libhdf5 writes
 
 
+def contiguous_dcpl() -> h5py.h5p.PropDCID:
+    """The creation properties of a contiguous dataset, as both writers make it: no fill
+    value written, space allocated at creation, no timestamps."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_obj_track_times(False)
+    return dcpl
+
+
 @functools.lru_cache(maxsize=256)
 def _type_messages(encoded: bytes) -> tuple[bytes, bytes]:
     """The datatype and fill-value messages libhdf5 writes for a contiguous dataset of the type
-    ``encoded`` (``TypeID.encode()``), created with the writer's creation properties in an
+    ``encoded`` (``TypeID.encode()``), created with :func:`contiguous_dcpl` in an
     in-memory file of the format's library-version bounds."""
     tid = h5py.h5t.decode(encoded)
     fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
@@ -184,11 +195,7 @@ def _type_messages(encoded: bytes) -> tuple[bytes, bytes]:
     name = f"tensorstore_h5-{id(tid)}.h5".encode()
     fid = h5py.h5f.create(name, h5py.h5f.ACC_TRUNC, fapl=fapl)
     try:
-        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
-        dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-        dcpl.set_obj_track_times(False)
-        dsid = h5py.h5d.create(fid, b"d", tid, h5py.h5s.create_simple((1,)), dcpl=dcpl)
+        dsid = h5py.h5d.create(fid, b"d", tid, h5py.h5s.create_simple((1,)), dcpl=contiguous_dcpl())
         addr = h5py.h5o.get_info(dsid).addr
         del dsid
         h5py.h5f.flush(fid)
@@ -280,12 +287,12 @@ def _dense_links(names: list[str], links: list[bytes], at: int) -> tuple[bytes, 
     hash, heap ID) sorted by hash, then name, as libhdf5 compares them. No free-space manager:
     libhdf5 appends new links in new blocks.
     """
+    if len(links) > MAX_DENSE_LINKS or max(map(len, links)) > _MAX_MANAGED:
+        return None  # (so the block stays far under libhdf5's 2 GiB and the leaf within 2**19 bytes)
     raw = [n.encode("utf-8", "surrogatepass") for n in names]
     used = _DIRECT_PREFIX + sum(map(len, links))
     block = max(512, 1 << (used - 1).bit_length())
     node = max(512, 1 << (10 + 11 * len(links) - 1).bit_length())
-    if block > 2**31 or node > 2**19 or len(links) > MAX_DENSE_LINKS or max(map(len, links)) > _MAX_MANAGED:
-        return None
     heap_at = at
     block_at = heap_at + _HEAP_HEADER.size + 4
     index_at = block_at + block
@@ -398,18 +405,16 @@ class Builder:
             group = self._objects[path]
             assert isinstance(group, _Group)
             links = [head + (where[target] - base).to_bytes(8, "little") for head, target in group.links.values()]
-            dense = None
-            if DENSE_LINKS < len(links) <= MAX_DENSE_LINKS:  # the link messages without their 4-byte headers
+            heap = index = _UNDEF  # links in the header (compact), unless dense storage holds them
+            if len(links) > DENSE_LINKS:  # the link messages without their 4-byte headers
                 dense = _dense_links(list(group.links), [link[4:] for link in links], pos - base)
-            if dense is None:
-                messages = [_message(_LINK_INFO, b"\x00\x00" + struct.pack("<QQ", _UNDEF, _UNDEF)),
-                            _message(_GROUP_INFO, b"\x00\x00", _CONSTANT), *links]
-            else:
-                blob, heap, index = dense
-                parts.append(blob)
-                pos += len(blob)
-                messages = [_message(_LINK_INFO, b"\x00\x00" + struct.pack("<QQ", heap, index)),
-                            _message(_GROUP_INFO, b"\x00\x00", _CONSTANT)]
+                if dense is not None:
+                    blob, heap, index = dense
+                    parts.append(blob)
+                    pos += len(blob)
+                    links = []
+            messages = [_message(_LINK_INFO, b"\x00\x00" + struct.pack("<QQ", heap, index)),
+                        _message(_GROUP_INFO, b"\x00\x00", _CONSTANT), *links]
             messages += self._attribute_messages(group.attrs)
             where[path] = pos
             heads.append(len(parts))

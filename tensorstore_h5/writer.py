@@ -67,7 +67,7 @@ written after the data (2,000 groups and 6,000 small datasets: ~25 ms instead of
 ~250-300 ms). False: libhdf5 writes it, as it does for files with compressed datasets."""
 
 ENCODED_LINKS = hdf5meta.MAX_DENSE_LINKS
-"""The most links (47,662) of one group in a file whose HDF5 metadata hdf5meta encodes: it
+"""The most links (47,661) of one group in a file whose HDF5 metadata hdf5meta encodes: it
 indexes a group of more than :data:`hdf5meta.DENSE_LINKS` links by one B-tree leaf, as
 libhdf5 finds names fastest, and that leaf has room for this many. :func:`save` of a tree
 with a bigger group lets libhdf5 write the metadata instead; :class:`Writer` used key by key
@@ -339,7 +339,7 @@ class Writer:
         self._index: dict[str, Entry] = {"": self._entries[0]}
         self._aliases: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], str]] = {}
         self._lcpl = _lcpl()
-        self._plain = _dcpl()
+        self._plain = hdf5meta.contiguous_dcpl()
         self._spaces: dict[tuple[int, ...], Any] = {}
         self._progress = Progress(progress, desc=f"saving {os.path.basename(self.path)}")
 
@@ -385,7 +385,7 @@ class Writer:
                     assert self._file is not None
                     fmt.write_root_attrs(self._file)
                     dsid = h5py.h5d.create(self._file.id, fmt.LAYOUT_DATASET.encode(), h5py.h5t.STD_U8LE,
-                                           h5py.h5s.create_simple((len(text),)), dcpl=_dcpl())
+                                           h5py.h5s.create_simple((len(text),)), dcpl=hdf5meta.contiguous_dcpl())
                     dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, np.frombuffer(text, dtype=np.uint8))
                     offset = dsid.get_offset()
                     del dsid
@@ -561,13 +561,12 @@ class Writer:
         if not 0 < nbytes < GATHER_BYTES or nbytes > checksum.HASH_BLOCK or not t.is_contiguous() or t.is_conj() \
                 or t.is_neg():
             return None
-        shape = tuple(t.shape)
-        alias_key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), shape, tuple(t.stride()), t.dtype,
-                     False, False, t._version)  # as _alias_key makes it
+        alias_key = self._alias_key(t)
         if alias_key in self._aliases:
             return None  # maybe another name of a tensor written before: the general path links it
         self._aliases[alias_key] = (weakref.ref(t), path)
         spec = spec_for_torch(t.dtype, path)
+        shape = tuple(t.shape)
         data = ctypes.string_at(t.data_ptr(), nbytes)
         at = _aligned(self._eof)
         self._replaced.release(nbytes)
@@ -575,8 +574,7 @@ class Writer:
         self._eof = at + nbytes
         dataset = path or fmt.ROOT_DATASET
         entry = TensorEntry(path, key, spec, shape, dataset, extent=Contiguous(at, nbytes, (checksum.digest(data),)))
-        self._meta.dataset(dataset, spec.h5_type, shape, at, nbytes,  # type: ignore[union-attr]
-                           () if spec.storage == "native" else fmt.dataset_attrs(entry))
+        self._meta.dataset(dataset, spec.h5_type, shape, at, nbytes, fmt.dataset_attrs(entry))  # type: ignore[union-attr]
         self._progress.update(nbytes)
         return entry
 
@@ -658,7 +656,7 @@ class Writer:
             return dsid, None
         self._replaced.release(nbytes)
         if not chunked:
-            offset = dsid.get_offset()  # allocated when created (ALLOC_TIME_EARLY, see _dcpl)
+            offset = dsid.get_offset()  # allocated when created (ALLOC_TIME_EARLY, see hdf5meta.contiguous_dcpl)
             if offset is None:
                 raise OSError("HDF5 did not allocate the dataset's data")
             if t.is_cpu and t.is_contiguous():  # the common case: one pwrite from its memory
@@ -783,14 +781,6 @@ def few_links_in(nodes: list[Container | Leaf]) -> bool:
 def _aligned(offset: int) -> int:
     """``offset`` rounded up to a multiple of :data:`format.ALIGNMENT`."""
     return -(-offset // fmt.ALIGNMENT) * fmt.ALIGNMENT
-
-
-def _dcpl() -> h5py.h5p.PropDCID:
-    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
-    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-    dcpl.set_obj_track_times(False)
-    return dcpl
 
 
 def _unique_nbytes(values: Iterable[Any]) -> int:

@@ -790,7 +790,6 @@ class Store:
         elif t is None:
             target = self._target(device, entry.path)
             t = self._mapped(entry, fmap, verify) if fmap is not None and target is None else None
-            sel = whole(entry.shape)
             if filled is not None:
                 if verify and filled.device.type == "cpu":
                     self._check_hashes(entry, filled)
@@ -799,7 +798,7 @@ class Store:
                 t = self._restore(filled, entry) if entry.stride is not None else filled
             elif t is None and target is not None:  # allocated on the device, filled through the staging buffers
                 t = transfer.device_empty(entry.shape, entry.dtype.torch_dtype, target, entry.path)
-                self._read_tensor(entry, sel, t, restore_layout=False, verify=verify)
+                self._read_tensor(entry, whole(entry.shape), t, restore_layout=False, verify=verify)
                 if entry.stride is not None:
                     t = self._restore(t, entry)  # on the device
             elif t is None:  # queued when nothing is done to it after the read
@@ -811,7 +810,8 @@ class Store:
                     plan.add_small(where.offset, t, lambda job, e=entry: self._keyed(job, e),
                                    where.hashes[0] if verify and where.hashes else None)
                 else:
-                    t = self._read_tensor(entry, sel, None, restore_layout=True, plan=plan, verify=verify)
+                    t = self._read_tensor(entry, whole(entry.shape), None, restore_layout=True, plan=plan,
+                                          verify=verify)
             t = _flagged(t, entry)
             cache[origin] = t
         return t

@@ -18,12 +18,19 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
+from . import io, remote
+from .httpranges import RangeClient
+
 __all__ = ["run"]
+
+SOCKETS = "raw limit: plain sockets, one reused buffer"
+SOCKETS_FRESH = "raw limit: plain sockets, fresh memory"
 
 
 def run(size_gb: float = 0.5, keys: int = 100, repeat: int = 3, latencies: tuple[float, ...] = (0.0, 0.02),
@@ -65,6 +72,30 @@ def run(size_gb: float = 0.5, keys: int = 100, repeat: int = 3, latencies: tuple
                     ends = [min(o + n, s + piece) for o, n in ranges for s in range(o, o + n, piece)]
                     return fs.cat_ranges([url] * len(starts), starts, ends)
 
+                client = RangeClient(url)
+                pool = ThreadPoolExecutor(remote.CONNECTIONS)
+                reused = torch.empty(nbytes, dtype=torch.uint8)
+                reused.fill_(0)
+
+                def sockets_into(memory: Callable[[int], memoryview]) -> None:
+                    jobs = []
+                    for o, n in ranges:
+                        view = memory(n)
+                        jobs += [pool.submit(client.get_into, o + a, view[a:a + piece]) for a in range(0, n, piece)]
+                    for j in jobs:
+                        j.result()
+
+                def raw_sockets() -> None:
+                    at = [0]
+
+                    def memory(n: int) -> memoryview:
+                        at[0] += n
+                        return io.tensor_buffer(reused[at[0] - n:at[0]])
+                    sockets_into(memory)
+
+                def raw_sockets_fresh() -> None:
+                    sockets_into(lambda n: io.tensor_buffer(io.empty((n,), torch.uint8)))
+
                 def raw_fill() -> list[torch.Tensor]:  # what a loader adds: new tensors, the bytes copied in
                     pieces, out = iter(raw()), []
                     for _, n in ranges:
@@ -90,6 +121,8 @@ def run(size_gb: float = 0.5, keys: int = 100, repeat: int = 3, latencies: tuple
                     st_load(fs.cat_file(st_url))
 
                 ops = (("raw limit: concurrent range GETs of the data", raw, nbytes),
+                       (SOCKETS, raw_sockets, nbytes),
+                       (SOCKETS_FRESH, raw_sockets_fresh, nbytes),
                        ("raw limit + copy into new tensors", raw_fill, nbytes),
                        ("tensorstore_h5 load(url)", load, nbytes),
                        ("safetensors: download + load", st_whole, nbytes),
@@ -116,6 +149,8 @@ def run(size_gb: float = 0.5, keys: int = 100, repeat: int = 3, latencies: tuple
                     rows.append(row)
                     echo(f"{latency * 1e3:6.0f}ms {label:<44} {seconds:8.3f} {row['median_seconds']:8.3f} "
                          f"{row['gbps']:7.2f} {row['moved_mb']:9.1f} {row['requests']:8.0f}")
+                pool.shutdown()
+                client.close()
         finally:
             server.stop()
     by = {(r["latency_ms"], r["name"]): r for r in rows}
@@ -129,6 +164,8 @@ def run(size_gb: float = 0.5, keys: int = 100, repeat: int = 3, latencies: tuple
 
         full = "tensorstore_h5 load(url)"
         ratio("full load / raw limit (>= 0.8)", "raw limit: concurrent range GETs of the data", full)
+        ratio("full load / raw limit by plain sockets, reused buffer", SOCKETS, full)
+        ratio("full load / raw limit by plain sockets, fresh memory", SOCKETS_FRESH, full)
         ratio("full load / raw limit + copy into new tensors", "raw limit + copy into new tensors", full)
         ratio("full load vs safetensors download + load", "safetensors: download + load", full)
         ratio(f"time: select 1% / full load ({picked_bytes / nbytes:.1%} of the bytes)", "tensorstore_h5 select 1% of keys",

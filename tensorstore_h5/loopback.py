@@ -37,6 +37,8 @@ class Behaviour:
     drop_next: int = 0             # close the connection mid-body on this many requests
     short: bool = False            # send fewer bytes than the range asks for
     suffix: bool = True            # answer suffix ranges (bytes=-N); False: the whole file, as some servers do
+    redirect: dict[str, str] = field(default_factory=dict)  # path -> location to answer 302 with
+    shift_range: int = 0           # answer the range this many bytes later than asked (and say so)
 
 
 class _Server(ThreadingHTTPServer):
@@ -55,6 +57,8 @@ class RangeServer:
         self.root = Path(root)
         self.behaviour = Behaviour()
         self.requests: list[tuple[str, str, int]] = []  # (method, range header, bytes sent)
+        self.paths: list[str] = []  # the path of each request, in the order of requests
+        self.headers: list[dict[str, str]] = []  # the headers of each request
         self._lock = threading.Lock()
         server = self
 
@@ -89,6 +93,8 @@ class RangeServer:
                 with server._lock:  # counted before anything is sent (headers included: a HEAD is done
                     # when they arrive): the client may be done before this thread goes on
                     server.requests.append((self.command, self.headers.get("Range", ""), sent))
+                    server.paths.append(self.path)
+                    server.headers.append(dict(self.headers))
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
@@ -107,6 +113,9 @@ class RangeServer:
                 if status:
                     self._answer(b"denied", status, {}, send_body)
                     return
+                if self.path in b.redirect:
+                    self._answer(b"moved", 302, {"Location": b.redirect[self.path]}, send_body)
+                    return
                 f = self._file()
                 if f is None:
                     self._answer(b"not found", 404, {}, send_body)
@@ -120,8 +129,8 @@ class RangeServer:
                 if m is None or b.ignore_range:
                     self._answer(f.read_bytes() if send_body else b"", 200, {"Accept-Ranges": "bytes"}, send_body, size)
                     return
-                start = int(m.group(1))
-                end = min(size - 1, int(m.group(2))) if m.group(2) else size - 1
+                start = int(m.group(1)) + b.shift_range
+                end = min(size - 1, int(m.group(2)) + b.shift_range) if m.group(2) else size - 1
                 if start >= size:
                     self._answer(b"", 416, {"Content-Range": f"bytes */{size}"}, send_body)
                     return
@@ -177,6 +186,8 @@ class RangeServer:
     def reset(self) -> None:
         with self._lock:
             self.requests.clear()
+            self.paths.clear()
+            self.headers.clear()
         self.behaviour = Behaviour()
 
     @property

@@ -514,8 +514,10 @@ class Store:
             (groups[-1][2].append(entry) if streamed else groups[-1][1].extend(more))
             size += grow
 
+        populate = raw.populate  # no faults under the GIL where one event loop receives (fsspec's aiohttp)
+
         def alloc(streamed: list[TensorEntry]) -> dict[str, torch.Tensor]:
-            return {e.path: self._empty(e, e.shape, populate=True) for e in streamed}  # no faults in the event loop
+            return {e.path: self._empty(e, e.shape, populate=populate) for e in streamed}
 
         def fetch(ranges: list[tuple[int, int]], streamed: list[TensorEntry], filled: dict[str, torch.Tensor] | None
                   ) -> tuple[list[tuple[int, bytes]], dict[str, torch.Tensor]]:

@@ -161,8 +161,12 @@ def test_remote_bench_measures_every_operation_and_counts_bytes_on_the_server() 
     lines: list[str] = []
     rows = bench_remote.run(0.02, keys=20, repeat=2, latencies=(0.0,), echo=lines.append)
     by = {r["name"]: r for r in rows}
-    assert len(rows) == 6 and all(r["seconds"] <= r["median_seconds"] for r in rows)
+    assert len(rows) == 8 and all(r["seconds"] <= r["median_seconds"] for r in rows)
     full, select = by["tensorstore_h5 load(url)"], by["tensorstore_h5 select 1% of keys"]
+    for raw in (bench_remote.SOCKETS, bench_remote.SOCKETS_FRESH):  # the same bytes as the load's tensors
+        assert by[raw]["moved_mb"] * 1e6 == by["raw limit: concurrent range GETs of the data"]["moved_mb"] * 1e6 \
+            >= full["bytes"]
     assert full["moved_mb"] * 1e6 >= full["bytes"] > 0.9 * 0.02e9  # every tensor byte crossed the wire
     assert select["bytes"] <= select["moved_mb"] * 1e6 < 0.2 * full["bytes"]  # 1 key of 20 (+ the layout)
     assert any("full load / raw limit" in line for line in lines)
+    assert any("full load / raw limit by plain sockets, fresh memory" in line for line in lines)

@@ -52,6 +52,14 @@ def server(served):
     srv.reset()
 
 
+@pytest.fixture(autouse=True, params=["plain", "fsspec"])
+def client(request, monkeypatch):
+    """Every test twice: bytes over HTTP read by the plain-socket client (remote.PLAIN_HTTP),
+    and by fsspec's aiohttp session."""
+    monkeypatch.setattr(remote, "PLAIN_HTTP", request.param == "plain")
+    return request.param
+
+
 def test_open_and_keys_in_one_round_trip(served, server) -> None:
     """Header, size and the file's last remote.TAIL_BYTES (holding the layout) are asked for
     at once; a layout longer than the tail costs one request for the part before it; a server
@@ -217,8 +225,9 @@ def test_the_first_batches_of_a_load_grow_to_the_batch_size(served, server, monk
     out = th5.load(server.url("big.h5"))
     assert all(torch.equal(out[k], v) for k, v in objs["big"].items())
     mib = [-(-n // 2**20) for n in fetches]  # 2 MiB tensors fill each batch exactly
-    # the first two batches go out at once (either may be recorded first), the next ones after them
-    assert sorted(mib[:2]) == [8, 16] and sorted(mib[2:4]) == [32, 64] and set(mib[4:]) <= {16, 32, 64}, mib
+    # the first FETCH_AHEAD batches go out at once (in any order), each next one as one is used
+    ahead = remote.FETCH_AHEAD
+    assert sorted(mib[:ahead]) == [min(64, 8 << k) for k in range(ahead)] and set(mib[ahead:]) <= {8, 16, 32, 64}, mib
     assert max(fetches) <= 64 * 2**20 and sum(fetches) == sum(v.nbytes for v in objs["big"].values())
 
 
@@ -331,6 +340,35 @@ def test_latency_costs_a_few_round_trips(served, server) -> None:
         selected = time.perf_counter() - t1
     assert opened < 2 * latency + 0.3, opened  # one round trip (and the slack of a busy machine)
     assert selected < 2 * latency + 0.5, selected  # one
+
+
+def test_an_answer_for_other_bytes_or_a_changed_object_is_refused(served, server) -> None:
+    """Trust: an answer whose Content-Range names other bytes than asked, or an object whose
+    size changed since it was opened, is refused naming the URL and the keys; nothing loads."""
+    _, objs = served
+    shutil.copy(server.root / "small.h5", server.root / "changing.h5")
+    with th5.open(server.url("small.h5")) as s:
+        server.behaviour.shift_range = 1
+        with pytest.raises(th5.TensorStoreError, match=r"small\.h5: keys? 'layers\.0\.weight'.*(another byte range|ended early|ignored)"):
+            s.load()
+    server.reset()
+    with th5.open(server.url("changing.h5")) as s:
+        th5.save({"other": torch.zeros(9)}, server.root / "changing.h5")  # replaced by a shorter object
+        with pytest.raises(th5.TensorStoreError, match=r"changing\.h5: .*(changed while being read|ended early|ends before)"):
+            s.load()
+
+
+def test_request_headers_reach_the_server_and_session_options_choose_fsspec(served, server, client) -> None:
+    _, objs = served
+    options = {"headers": {"Authorization": "Bearer abc"}}
+    with th5.open(server.url("small.h5"), storage_options=options) as s:
+        assert (s._rawfile()._client is not None) == (client == "plain")
+        server.reset()
+        assert torch.equal(s["layers.3.weight"].read(), objs["small"]["layers.3.weight"])
+    assert server.headers and all(h.get("Authorization") == "Bearer abc" for h in server.headers)
+    with th5.open(server.url("small.h5"), storage_options={"client_kwargs": {"trust_env": False}}) as s:
+        assert s._rawfile()._client is None  # only fsspec's session honours these
+        assert torch.equal(s["layers.4.weight"].read(), objs["small"]["layers.4.weight"])
 
 
 def test_streaming_over_a_url_fetches_ahead_instead_of_a_round_trip_per_tensor(served, server) -> None:

@@ -1,0 +1,173 @@
+"""Range GETs of one ``http://`` or ``https://`` object over plain keep-alive connections, each
+body received straight into the caller's memory.
+
+:class:`tensorstore_h5.remote.RemoteSource` reads the bytes of http(s) URLs with a
+:class:`RangeClient` from its own threads: ``http.client`` hands a response's body to
+``socket.recv_into`` (through the socket file's ``readinto``), which writes into the tensor's
+memory without the interpreter lock, so several connections receive at once and each byte is
+copied once, by the kernel. fsspec's aiohttp session receives every body on one event-loop
+thread as bytes objects that are then copied (measured in ``bench --remote``).
+
+Every answer is checked: the status, that a ``206`` names exactly the asked range and the
+object's known size, and that the body is as long as the range. Redirects are followed (at most
+:data:`REDIRECTS`) and the last location is kept for the next requests.
+"""
+
+from __future__ import annotations
+
+import http.client
+import re
+import ssl
+import threading
+import urllib.parse
+from collections.abc import Mapping
+
+__all__ = ["RangeClient", "HTTPStatusError", "RangeAnswerError", "check_answer", "REDIRECTS", "TIMEOUT"]
+
+REDIRECTS = 5
+"""Redirects followed for one request before it fails."""
+
+TIMEOUT = 60.0
+"""Seconds a connection waits to connect or for the next bytes before it fails (a transient
+error: the request is tried again)."""
+
+_REDIRECT = (301, 302, 303, 307, 308)
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+class HTTPStatusError(OSError):
+    """An answer whose status is not a success (``status`` holds it)."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(f"HTTP {status} {reason}".rstrip())
+        self.status = status
+
+
+class RangeAnswerError(OSError):
+    """An answer that is not the asked byte range: the whole object instead of a range, another
+    range, a body of another length, or an object of another size than when it was opened."""
+
+
+def check_answer(status: int, reason: str, content_range: str | None, length: int | None, start: int, end: int,
+                 size: int | None) -> int:
+    """The object's size from an answer (``status``, its ``Content-Range`` and
+    ``Content-Length`` headers, None where absent) to a GET of bytes ``start..end``; ``size``:
+    the object's size when it was opened, None if unknown.
+
+    Raises HTTPStatusError for a status other than 200/206, RangeAnswerError for an answer
+    that is not exactly that range: the whole object (a server ignoring ``Range``), another
+    range, a body of another length, or an object of another size."""
+    if status not in (200, 206):
+        raise HTTPStatusError(status, reason)
+    if status == 200:  # the whole object: right only where the range is the whole object
+        if start != 0 or length != end or (size is not None and size != end):
+            raise RangeAnswerError(f"the server ignored the byte range for bytes {start}..{end} (status 200, "
+                                   f"{length if length is not None else 'unknown'} bytes)")
+        return end
+    m = _CONTENT_RANGE.fullmatch((content_range or "").strip())
+    if m is None or (int(m.group(1)), int(m.group(2)) + 1) != (start, end):
+        short = m is not None and int(m.group(1)) == start and int(m.group(2)) + 1 < end
+        what = "ended early" if short else "answered another byte range"
+        raise RangeAnswerError(f"the server {what} for bytes {start}..{end} (Content-Range: {content_range})")
+    total = int(m.group(3)) if m.group(3) != "*" else size
+    if size is not None and total != size:
+        raise RangeAnswerError(f"the object changed while being read: {total} bytes now, {size} when opened")
+    if length is not None and length != end - start:
+        what = "ended early" if length < end - start else "ignored the byte range"
+        raise RangeAnswerError(f"the server {what} for bytes {start}..{end} (Content-Length {length})")
+    return total if total is not None else -1
+
+
+class RangeClient:
+    """Range GETs of the object at ``url`` (``http://`` or ``https://``) with ``headers`` added to
+    every request; safe to call from many threads (each request takes an idle connection or
+    makes one). :meth:`close` closes the idle connections."""
+
+    def __init__(self, url: str, headers: Mapping[str, str] | None = None, timeout: float = TIMEOUT) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{url}: not an http:// or https:// URL")
+        self.url = url
+        self._headers = dict(headers or {})
+        self._timeout = timeout
+        self._idle: list[tuple[tuple[str, str, int], http.client.HTTPConnection]] = []
+        self._lock = threading.Lock()
+        self._ssl: ssl.SSLContext | None = None
+
+    def _connection(self, parts: urllib.parse.SplitResult, new: bool
+                    ) -> tuple[tuple[str, str, int], http.client.HTTPConnection, bool]:
+        """An idle connection to the URL's host (unless ``new``), else a new one; and whether it
+        was idle."""
+        https = parts.scheme == "https"
+        key = (parts.scheme, parts.hostname or "", parts.port or (443 if https else 80))
+        with self._lock:
+            for i in range(len(self._idle) - 1, -1, -1):
+                if not new and self._idle[i][0] == key:
+                    return key, self._idle.pop(i)[1], True
+            if https and self._ssl is None:
+                self._ssl = ssl.create_default_context()
+        conn = (http.client.HTTPSConnection(key[1], key[2], timeout=self._timeout, context=self._ssl) if https else
+                http.client.HTTPConnection(key[1], key[2], timeout=self._timeout))
+        return key, conn, False
+
+    def get_into(self, start: int, view: memoryview, size: int | None = None) -> int:
+        """Fill ``view`` with the object's bytes from ``start`` on; ``size``: the object's size
+        when it was opened (an answer naming another is refused). Returns the object's size.
+
+        Raises HTTPStatusError (a status other than 200/206, redirects past
+        :data:`REDIRECTS`), RangeAnswerError (another range or length than asked: a server
+        that ignores ranges, ends early or whose object changed), and the connection's own
+        errors (``OSError``: refused, reset, timed out, ``http.client.IncompleteRead`` for a
+        body cut short) for the caller to try again."""
+        end = start + len(view)
+        url = self.url
+        for _ in range(REDIRECTS + 1):
+            parts = urllib.parse.urlsplit(url)
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            headers = {**self._headers, "Range": f"bytes={start}-{end - 1}"}
+            for fresh in (False, True):  # an idle connection the server has since closed: once more on a new one
+                key, conn, idle = self._connection(parts, new=fresh)
+                try:
+                    conn.request("GET", target, headers=headers)
+                    r = conn.getresponse()
+                except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                    conn.close()
+                    if idle and not fresh:
+                        continue
+                    raise
+                except BaseException:
+                    conn.close()
+                    raise
+                break
+            keep = False
+            try:
+                if r.status in _REDIRECT and r.getheader("Location"):
+                    r.read()
+                    keep = not r.will_close
+                    url = urllib.parse.urljoin(url, r.getheader("Location", ""))
+                    continue
+                total = check_answer(r.status, r.reason, r.getheader("Content-Range"), r.length, start, end, size)
+                got = 0
+                while got < len(view):
+                    n = r.readinto(view[got:])  # the body lands in view: recv_into, without the GIL
+                    if not n:
+                        raise http.client.IncompleteRead(b"", len(view) - got)
+                    got += n
+                keep = not r.will_close and r.length == 0
+            finally:
+                if keep:
+                    with self._lock:
+                        self._idle.append((key, conn))
+                else:
+                    conn.close()
+            if url != self.url:
+                self.url = url  # later requests go straight to the redirect's target
+            return total
+        raise HTTPStatusError(310, f"more than {REDIRECTS} redirects")
+
+    def close(self) -> None:
+        """Close the idle connections (requests in flight close theirs when done)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for _, conn in idle:
+            conn.close()

@@ -1,0 +1,134 @@
+"""The plain-socket HTTP client (tensorstore_h5.httpranges): exact ranges into the caller's
+memory, every answer checked, redirects, kept-alive connections, bounded concurrency. All on
+127.0.0.1 (the suite's range server)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import tensorstore_h5 as th5
+from tensorstore_h5 import remote
+from tensorstore_h5.httpranges import HTTPStatusError, RangeAnswerError, RangeClient, check_answer
+from tensorstore_h5.loopback import RangeServer
+
+pytest.importorskip("fsspec")
+pytest.importorskip("aiohttp")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plain")
+    g = torch.Generator().manual_seed(3)
+    model = {f"layers.{i}.weight": torch.randn(512, 1024, generator=g) for i in range(12)}  # 2 MiB each
+    th5.save(model, root / "model.h5")
+    (root / "blob.bin").write_bytes(os.urandom(3 * 2**20 + 17))
+    return root, model
+
+
+@pytest.fixture()
+def server(root):
+    srv = RangeServer(root[0])
+    yield srv
+    srv.stop()
+
+
+def _plain_source(store: th5.Store) -> remote.RemoteSource:
+    src = store._rawfile()
+    assert isinstance(src, remote.RemoteSource) and src._client is not None, "not read by the plain client"
+    return src
+
+
+def test_ranges_land_exactly_in_the_callers_memory(root, server) -> None:
+    blob = (root[0] / "blob.bin").read_bytes()
+    client = RangeClient(server.url("blob.bin"))
+    out = bytearray(len(blob) + 10)
+    view = memoryview(out)
+    assert client.get_into(5, view[3:3 + 2**20], size=len(blob)) == len(blob)
+    assert out[3:3 + 2**20] == blob[5:5 + 2**20] and out[:3] == b"\0\0\0" and out[3 + 2**20:] == bytes(len(out) - 3 - 2**20)
+    tail = bytearray(17)
+    client.get_into(len(blob) - 17, memoryview(tail))
+    assert bytes(tail) == blob[-17:]
+    assert len(client._idle) == 1  # one connection, kept alive between the two requests
+    client.close()
+    assert not client._idle
+
+
+def test_every_answer_is_checked() -> None:
+    assert check_answer(206, "", "bytes 10-19/100", 10, 10, 20, 100) == 100
+    assert check_answer(200, "", None, 100, 0, 100, 100) == 100  # the whole object asked: a 200 is right
+    with pytest.raises(RangeAnswerError, match="ignored the byte range"):
+        check_answer(200, "", None, 100, 10, 20, 100)
+    with pytest.raises(RangeAnswerError, match="another byte range"):
+        check_answer(206, "", "bytes 11-20/100", 10, 10, 20, 100)
+    with pytest.raises(RangeAnswerError, match="another byte range"):
+        check_answer(206, "", None, 10, 10, 20, 100)
+    with pytest.raises(RangeAnswerError, match="ended early"):
+        check_answer(206, "", "bytes 10-15/100", 6, 10, 20, 100)
+    with pytest.raises(RangeAnswerError, match="ended early"):
+        check_answer(206, "", "bytes 10-19/100", 4, 10, 20, 100)
+    with pytest.raises(RangeAnswerError, match="changed while being read: 90 bytes now, 100 when opened"):
+        check_answer(206, "", "bytes 10-19/90", 10, 10, 20, 100)
+    with pytest.raises(HTTPStatusError, match="404") as e:
+        check_answer(404, "Not Found", None, 9, 10, 20, 100)
+    assert e.value.status == 404
+
+
+def test_the_client_follows_a_redirect_and_then_asks_its_target(root, server) -> None:
+    _, model = root
+    server.behaviour.redirect["/moved.h5"] = "/model.h5"
+    with th5.open(server.url("moved.h5")) as s:
+        src = _plain_source(s)
+        first = s.load(select="layers.[0-3].weight")
+        assert src._client.url == server.url("model.h5")
+        server.reset()
+        server.behaviour.redirect["/moved.h5"] = "/model.h5"
+        second = s.load(select="layers.[4-7].weight")
+    assert server.paths == ["/model.h5"] * 4, server.paths  # no request to the old location any more
+    for out in (first, second):
+        assert len(out) == 4 and all(torch.equal(out[k], model[k]) for k in out)
+    server.behaviour.redirect["/loop.h5"] = "/loop.h5"
+    client = RangeClient(server.url("loop.h5"))
+    with pytest.raises(HTTPStatusError, match="redirects"):
+        client.get_into(0, memoryview(bytearray(8)))
+    client.close()
+
+
+def test_an_idle_connection_the_server_closed_is_replaced_without_a_retry(root, server, monkeypatch) -> None:
+    _, model = root
+    monkeypatch.setattr(remote, "RETRIES", 0)  # a second try would hide the replacement
+    with th5.open(server.url("model.h5")) as s:
+        src = _plain_source(s)
+        assert torch.equal(s["layers.1.weight"][:4], model["layers.1.weight"][:4])
+        idle = [conn for _, conn in src._client._idle]
+        assert idle, "the connection was not kept alive"
+        for conn in idle:
+            conn.sock.shutdown(2)  # as a server that timed it out: the next request on it fails
+        assert torch.equal(s["layers.2.weight"][:4], model["layers.2.weight"][:4])
+
+
+def test_requests_in_flight_are_bounded_by_connections(root, server, monkeypatch) -> None:
+    """With remote.CONNECTIONS = 2, 8 requests answered after 0.1 s each take 4 waves."""
+    monkeypatch.setattr(remote, "CONNECTIONS", 2)
+    with th5.open(server.url("model.h5")) as s:
+        server.reset()
+        server.behaviour.latency = 0.1
+        t0 = time.perf_counter()
+        parts = s.read_many({f"layers.{i}.weight": slice(0, 2) for i in range(8)})
+        took = time.perf_counter() - t0
+    assert len(parts) == 8 and len(server.requests) == 8 and took >= 4 * 0.1, took
+
+
+def test_request_headers_reach_the_server_and_session_options_choose_fsspec(root, server) -> None:
+    _, model = root
+    with th5.open(server.url("model.h5"), storage_options={"headers": {"Authorization": "Bearer abc"}}) as s:
+        _plain_source(s)
+        server.reset()
+        assert torch.equal(s["layers.3.weight"].read(), model["layers.3.weight"])
+    assert server.headers and all(h.get("Authorization") == "Bearer abc" for h in server.headers)
+    with th5.open(server.url("model.h5"), storage_options={"client_kwargs": {"trust_env": False}}) as s:
+        assert s._rawfile()._client is None  # only fsspec's session honours these
+        assert torch.equal(s["layers.4.weight"].read(), model["layers.4.weight"])

@@ -150,7 +150,6 @@ def run(size_gb: float = 0.5, keys: int = 100, repeat: int = 3, latencies: tuple
                     echo(f"{latency * 1e3:6.0f}ms {label:<44} {seconds:8.3f} {row['median_seconds']:8.3f} "
                          f"{row['gbps']:7.2f} {row['moved_mb']:9.1f} {row['requests']:8.0f}")
                 pool.shutdown()
-                client.close()
         finally:
             server.stop()
     by = {(r["latency_ms"], r["name"]): r for r in rows}

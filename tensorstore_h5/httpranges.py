@@ -5,7 +5,8 @@ body received straight into the caller's memory.
 :class:`RangeClient` from its own threads: ``http.client`` hands a response's body to
 ``socket.recv_into`` (through the socket file's ``readinto``), which writes into the tensor's
 memory without the interpreter lock, so several connections receive at once and each byte is
-copied once, by the kernel. fsspec's aiohttp session receives every body on one event-loop
+copied once, by the kernel. Connections are kept alive and shared by every client of the
+process (per host, up to :data:`IDLE_PER_HOST`). fsspec's aiohttp session receives every body on one event-loop
 thread as bytes objects that are then copied (measured in ``bench --remote``).
 
 Every answer is checked: the status, that a ``206`` names exactly the asked range and the
@@ -15,14 +16,17 @@ object's known size, and that the body is as long as the range. Redirects are fo
 
 from __future__ import annotations
 
+import atexit
 import http.client
+import os
 import re
 import ssl
 import threading
 import urllib.parse
 from collections.abc import Mapping
 
-__all__ = ["RangeClient", "HTTPStatusError", "RangeAnswerError", "check_answer", "REDIRECTS", "TIMEOUT"]
+__all__ = ["RangeClient", "HTTPStatusError", "RangeAnswerError", "check_answer", "close_idle", "REDIRECTS", "TIMEOUT",
+           "IDLE_PER_HOST"]
 
 REDIRECTS = 5
 """Redirects followed for one request before it fails."""
@@ -78,10 +82,52 @@ def check_answer(status: int, reason: str, content_range: str | None, length: in
     return total if total is not None else -1
 
 
+IDLE_PER_HOST = 64
+"""Idle keep-alive connections kept per host (shared by every :class:`RangeClient` of the
+process, as a browser's are: opening many files of one server reuses them)."""
+
+_idle: dict[tuple[str, str, int], list[http.client.HTTPConnection]] = {}
+_idle_lock = threading.Lock()
+_idle_pid = os.getpid()  # a forked child does not share its parent's connections
+
+
+def _take_idle(key: tuple[str, str, int]) -> http.client.HTTPConnection | None:
+    global _idle_pid
+    with _idle_lock:
+        if _idle_pid != os.getpid():
+            _idle.clear()  # the parent's sockets: forgotten, not closed (the parent still uses them)
+            _idle_pid = os.getpid()
+        conns = _idle.get(key)
+        return conns.pop() if conns else None
+
+
+def _give_back(key: tuple[str, str, int], conn: http.client.HTTPConnection) -> None:
+    with _idle_lock:
+        conns = _idle.setdefault(key, [])
+        if _idle_pid == os.getpid() and len(conns) < IDLE_PER_HOST:
+            conns.append(conn)
+            return
+    conn.close()
+
+
+def close_idle() -> None:
+    """Close every idle connection (they are also closed at exit)."""
+    with _idle_lock:
+        conns = [c for cs in _idle.values() for c in cs] if _idle_pid == os.getpid() else []
+        _idle.clear()
+    for conn in conns:
+        conn.close()
+
+
+atexit.register(close_idle)
+
+
 class RangeClient:
     """Range GETs of the object at ``url`` (``http://`` or ``https://``) with ``headers`` added to
-    every request; safe to call from many threads (each request takes an idle connection or
-    makes one). :meth:`close` closes the idle connections."""
+    every request; safe to call from many threads (each request takes an idle connection to the
+    host, kept alive from earlier requests of any client, or makes one)."""
+
+    _ssl: ssl.SSLContext | None = None  # one for the process: loading the system's certificates takes ~10 ms
 
     def __init__(self, url: str, headers: Mapping[str, str] | None = None, timeout: float = TIMEOUT) -> None:
         parts = urllib.parse.urlsplit(url)
@@ -90,9 +136,6 @@ class RangeClient:
         self.url = url
         self._headers = dict(headers or {})
         self._timeout = timeout
-        self._idle: list[tuple[tuple[str, str, int], http.client.HTTPConnection]] = []
-        self._lock = threading.Lock()
-        self._ssl: ssl.SSLContext | None = None
 
     def _connection(self, parts: urllib.parse.SplitResult, new: bool
                     ) -> tuple[tuple[str, str, int], http.client.HTTPConnection, bool]:
@@ -100,14 +143,16 @@ class RangeClient:
         was idle."""
         https = parts.scheme == "https"
         key = (parts.scheme, parts.hostname or "", parts.port or (443 if https else 80))
-        with self._lock:
-            for i in range(len(self._idle) - 1, -1, -1):
-                if not new and self._idle[i][0] == key:
-                    return key, self._idle.pop(i)[1], True
-            if https and self._ssl is None:
-                self._ssl = ssl.create_default_context()
-        conn = (http.client.HTTPSConnection(key[1], key[2], timeout=self._timeout, context=self._ssl) if https else
-                http.client.HTTPConnection(key[1], key[2], timeout=self._timeout))
+        conn = None if new else _take_idle(key)
+        if conn is not None:
+            conn.timeout = self._timeout
+            if conn.sock is not None:
+                conn.sock.settimeout(self._timeout)
+            return key, conn, True
+        if https and RangeClient._ssl is None:
+            RangeClient._ssl = ssl.create_default_context()
+        conn = (http.client.HTTPSConnection(key[1], key[2], timeout=self._timeout, context=RangeClient._ssl) if https
+                else http.client.HTTPConnection(key[1], key[2], timeout=self._timeout))
         return key, conn, False
 
     def get_into(self, start: int, view: memoryview, size: int | None = None) -> int:
@@ -156,8 +201,7 @@ class RangeClient:
                 keep = not r.will_close and r.length == 0
             finally:
                 if keep:
-                    with self._lock:
-                        self._idle.append((key, conn))
+                    _give_back(key, conn)
                 else:
                     conn.close()
             if url != self.url:
@@ -165,9 +209,3 @@ class RangeClient:
             return total
         raise HTTPStatusError(310, f"more than {REDIRECTS} redirects")
 
-    def close(self) -> None:
-        """Close the idle connections (requests in flight close theirs when done)."""
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for _, conn in idle:
-            conn.close()

@@ -515,13 +515,12 @@ class RemoteSource:
             self._cache = []
 
     def close(self) -> None:
-        """Drop the prefetched bytes, stop the request threads and close idle connections."""
+        """Drop the prefetched bytes and stop the request threads (idle connections stay for
+        the next source, see :data:`tensorstore_h5.httpranges.IDLE_PER_HOST`)."""
         self.release()
         workers, self._workers = self._workers, None
         if workers is not None:
             workers.shutdown(wait=True)
-        if self._client is not None:
-            self._client.close()
 
     def _fileno(self) -> int:
         raise ValueError(f"{self.path}: a remote object has no file descriptor")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tensorstore_h5 as th5
-from tensorstore_h5 import remote
+from tensorstore_h5 import httpranges, remote
 from tensorstore_h5.httpranges import HTTPStatusError, RangeAnswerError, RangeClient, check_answer
 from tensorstore_h5.loopback import RangeServer
 
@@ -36,6 +36,11 @@ def server(root):
     srv.stop()
 
 
+def _idle(server: RangeServer) -> list:
+    """The idle connections kept for ``server``."""
+    return [c for key, conns in httpranges._idle.items() if key[2] == server.port for c in conns]
+
+
 def _plain_source(store: th5.Store) -> remote.RemoteSource:
     src = store._rawfile()
     assert isinstance(src, remote.RemoteSource) and src._client is not None, "not read by the plain client"
@@ -52,9 +57,12 @@ def test_ranges_land_exactly_in_the_callers_memory(root, server) -> None:
     tail = bytearray(17)
     client.get_into(len(blob) - 17, memoryview(tail))
     assert bytes(tail) == blob[-17:]
-    assert len(client._idle) == 1  # one connection, kept alive between the two requests
-    client.close()
-    assert not client._idle
+    assert len(_idle(server)) == 1  # one connection, kept alive between the two requests
+    again = RangeClient(server.url("blob.bin"))  # another client of the same host takes it
+    again.get_into(0, memoryview(tail))
+    assert bytes(tail) == blob[:17] and len(server.requests) == 3 and len(_idle(server)) == 1
+    httpranges.close_idle()
+    assert not _idle(server)
 
 
 def test_every_answer_is_checked() -> None:
@@ -94,16 +102,15 @@ def test_the_client_follows_a_redirect_and_then_asks_its_target(root, server) ->
     client = RangeClient(server.url("loop.h5"))
     with pytest.raises(HTTPStatusError, match="redirects"):
         client.get_into(0, memoryview(bytearray(8)))
-    client.close()
 
 
 def test_an_idle_connection_the_server_closed_is_replaced_without_a_retry(root, server, monkeypatch) -> None:
     _, model = root
     monkeypatch.setattr(remote, "RETRIES", 0)  # a second try would hide the replacement
     with th5.open(server.url("model.h5")) as s:
-        src = _plain_source(s)
+        _plain_source(s)
         assert torch.equal(s["layers.1.weight"][:4], model["layers.1.weight"][:4])
-        idle = [conn for _, conn in src._client._idle]
+        idle = _idle(server)
         assert idle, "the connection was not kept alive"
         for conn in idle:
             conn.sock.shutdown(2)  # as a server that timed it out: the next request on it fails
@@ -132,3 +139,21 @@ def test_request_headers_reach_the_server_and_session_options_choose_fsspec(root
     with th5.open(server.url("model.h5"), storage_options={"client_kwargs": {"trust_env": False}}) as s:
         assert s._rawfile()._client is None  # only fsspec's session honours these
         assert torch.equal(s["layers.4.weight"].read(), model["layers.4.weight"])
+
+
+def test_a_forked_child_does_not_use_its_parents_connections(root, server) -> None:
+    """A data-loader worker forked after a load makes its own connections: two processes
+    reading answers from one socket would take each other's bytes."""
+    RangeClient(server.url("blob.bin")).get_into(0, memoryview(bytearray(8)))
+    assert len(_idle(server)) == 1
+    key = ("http", "127.0.0.1", server.port)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: answer whether it was handed an idle connection, and leave at once
+        os.write(write, b"none" if httpranges._take_idle(key) is None else b"took")
+        os._exit(0)
+    os.close(write)
+    answer = os.read(read, 16)
+    os.close(read)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert answer == b"none" and len(_idle(server)) == 1  # the parent's connection stays the parent's

@@ -273,12 +273,18 @@ def _chunked(dsid: h5py.h5d.DatasetID, dcpl: Any, ftype: Any, entry: Any, shape:
 # ---------------------------------------------------------------------------- verify (format 2)
 
 
-def verify_layout(path: str, layout: Layout) -> Iterator[str]:
+def verify_layout(path: str, layout: Layout, source: Any = None) -> Iterator[str]:
     """Problems found when checking a format-2 layout against the HDF5 part of the file:
     every key path a hard-linked dataset of the layout's shape and HDF5 type, stored where
-    the layout says, and no two datasets' data overlapping. Yields one message per problem."""
+    the layout says, and no two datasets' data overlapping. Yields one message per problem.
+    ``source``: a remote byte source to read instead of the local ``path`` (then only named)."""
     try:
-        f = h5py.File(path, "r", locking=False)
+        if source is not None:
+            from .remote import HDF5FileObject
+
+            f = h5py.File(HDF5FileObject(source), "r")
+        else:
+            f = h5py.File(path, "r", locking=False)
     except H5_ERRORS as e:
         yield f"the HDF5 part does not open ({_short(e)})"
         return

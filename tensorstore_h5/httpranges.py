@@ -124,18 +124,19 @@ atexit.register(close_idle)
 
 class RangeClient:
     """Range GETs of the object at ``url`` (``http://`` or ``https://``) with ``headers`` added to
-    every request; safe to call from many threads (each request takes an idle connection to the
+    every request, each socket operation waiting at most ``timeout`` seconds (default
+    :data:`TIMEOUT`); safe to call from many threads (each request takes an idle connection to the
     host, kept alive from earlier requests of any client, or makes one)."""
 
     _ssl: ssl.SSLContext | None = None  # one for the process: loading the system's certificates takes ~10 ms
 
-    def __init__(self, url: str, headers: Mapping[str, str] | None = None, timeout: float = TIMEOUT) -> None:
+    def __init__(self, url: str, headers: Mapping[str, str] | None = None, timeout: float | None = None) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"{url}: not an http:// or https:// URL")
         self.url = url
         self._headers = dict(headers or {})
-        self._timeout = timeout
+        self._timeout = TIMEOUT if timeout is None else timeout
 
     def _connection(self, parts: urllib.parse.SplitResult, new: bool
                     ) -> tuple[tuple[str, str, int], http.client.HTTPConnection, bool]:

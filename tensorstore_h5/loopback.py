@@ -53,8 +53,10 @@ class _Server(ThreadingHTTPServer):
 class RangeServer:
     """Serves the files under ``root`` (see the module); ``control``: also the :data:`CONTROL` path."""
 
-    def __init__(self, root: str | Path, control: bool = False) -> None:
+    def __init__(self, root: str | Path, control: bool = False, tls: tuple[str, str] | None = None) -> None:
+        """``tls``: (certificate file, key file) to serve ``https://`` with."""
         self.root = Path(root)
+        self.scheme = "https" if tls else "http"
         self.behaviour = Behaviour()
         self.requests: list[tuple[str, str, int]] = []  # (method, range header, bytes sent)
         self.paths: list[str] = []  # the path of each request, in the order of requests
@@ -175,13 +177,19 @@ class RangeServer:
                 self._serve(False)
 
         self._server = _Server(("127.0.0.1", 0), Handler)
+        if tls:
+            import ssl
+
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
     def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.port}/{name}"
+        return f"{self.scheme}://127.0.0.1:{self.port}/{name}"
 
     def reset(self) -> None:
         with self._lock:

@@ -157,3 +157,61 @@ def test_a_forked_child_does_not_use_its_parents_connections(root, server) -> No
     os.close(read)
     assert os.waitpid(pid, 0)[1] == 0
     assert answer == b"none" and len(_idle(server)) == 1  # the parent's connection stays the parent's
+
+
+def _self_signed(tmp_path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 signed by its own key, and the key: (cert file, key file)."""
+    x509 = pytest.importorskip("cryptography.x509")
+    import datetime
+    import ipaddress
+
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_file), str(key_file)
+
+
+def test_https_ranges_arrive_exactly_and_an_unknown_certificate_is_refused(root, tmp_path, monkeypatch) -> None:
+    import ssl
+
+    cert, key = _self_signed(tmp_path)
+    srv = RangeServer(root[0], tls=(cert, key))
+    try:
+        blob = (root[0] / "blob.bin").read_bytes()
+        monkeypatch.setattr(RangeClient, "_ssl", None)  # the system's certificate authorities
+        with pytest.raises(ssl.SSLCertVerificationError):
+            RangeClient(srv.url("blob.bin")).get_into(0, memoryview(bytearray(8)))
+        monkeypatch.setattr(RangeClient, "_ssl", ssl.create_default_context(cafile=cert))  # as SSL_CERT_FILE would
+        out = bytearray(2**20 + 3)
+        RangeClient(srv.url("blob.bin")).get_into(1000, memoryview(out), size=len(blob))
+        assert out == blob[1000:1000 + len(out)] and srv.scheme == "https"
+    finally:
+        srv.stop()
+        httpranges.close_idle()
+
+
+def test_a_server_that_stalls_times_out_and_is_tried_a_bounded_number_of_times(root, server, monkeypatch) -> None:
+    monkeypatch.setattr(httpranges, "TIMEOUT", 0.3)
+    monkeypatch.setattr(remote, "RETRIES", 1)
+    monkeypatch.setattr(remote, "BACKOFF", 0.01)
+    with th5.open(server.url("model.h5")) as s:
+        _plain_source(s)
+        server.behaviour.latency = 2.0
+        t0 = time.perf_counter()
+        with pytest.raises(th5.TensorStoreError, match=r"model\.h5: key 'layers\.0\.weight': .*after 2 tries.*timed out"):
+            s["layers.0.weight"][:2]
+    assert time.perf_counter() - t0 < 1.9  # two tries of 0.3 s, not the server's 2 s

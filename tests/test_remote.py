@@ -539,3 +539,25 @@ def test_the_benchmarks_server_runs_in_a_process_of_its_own(tmp_path) -> None:
     finally:
         server.stop()
     assert server._proc.returncode == 0
+
+
+def test_cli_verify_reads_a_url_in_few_requests_and_finds_damage(served, server, capsys) -> None:
+    """`tensorstore-h5 verify URL`: checksums and HDF5 metadata checked through the URL, the
+    metadata fetched at once (a request per h5py read cost 316 requests for 300 keys)."""
+    from tensorstore_h5 import cli
+
+    many = {f"l{i}": torch.full((10, 10), float(i)) for i in range(300)}
+    th5.save(many, server.root / "verify.h5")
+    server.reset()
+    assert cli.main(["verify", server.url("verify.h5")]) == 0
+    assert "OK, 300 keys" in capsys.readouterr().out and len(server.requests) <= 12, len(server.requests)
+    damaged = server.root / "verify-damaged.h5"
+    shutil.copy(server.root / "verify.h5", damaged)
+    with th5.open(damaged) as s:
+        end = max(o + n for e in (s._entry(k) for k in s.keys()) for o, n in s._ranges(e))
+    data = bytearray(damaged.read_bytes())
+    at = data.index(b"TREE", end) if b"TREE" in data[end:] else data.index(b"OHDR", end)
+    data[at:at + 4] = b"XXXX"  # an HDF5 metadata block after the data
+    damaged.write_bytes(bytes(data))
+    assert cli.main(["verify", server.url("verify-damaged.h5")]) == 1
+    assert "FAILED" in capsys.readouterr().err

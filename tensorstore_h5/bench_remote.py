@@ -3,12 +3,15 @@ process of its own, with and without added latency) against the raw limit and sa
 the same way.
 
 For each latency: a full load, a 1 % select (1 % of the keys) and a 1 % row slice of every
-tensor through ``th5.load(url)`` / ``th5.open(url)``; the raw limit (every byte range of the
-tensors' data fetched by concurrent range GETs of 8 MiB, as fsspec issues them); and
-safetensors, which reads a URL only whole (``safe_open`` takes no file object): download +
-``safetensors.torch.load``; and the raw limit plus what any loader adds (new tensors, the bytes
-copied into them). Best and median of ``repeat``, taken in rounds over the operations,
-in this process; bytes moved as the server counted them.
+tensor through ``th5.load(url)`` / ``th5.open(url)``; the raw limit, every byte range of the
+tensors' data fetched by concurrent range GETs of 8 MiB three ways: as fsspec issues them
+(bytes objects), and by plain sockets from :data:`remote.CONNECTIONS` threads into one buffer
+reused from round to round (no page faults: the floor of moving the bytes here) or into fresh
+memory (what any loader that makes new tensors pays); the fsspec raw limit plus what a loader
+through it adds (new tensors, the bytes copied into them); and safetensors, which reads a URL
+only whole (``safe_open`` takes no file object): download + ``safetensors.torch.load``. Best
+and median of ``repeat``, taken in rounds over the operations, in this process, each
+operation's result freed after its clock stops; bytes moved as the server counted them.
 """
 
 from __future__ import annotations
@@ -77,24 +80,25 @@ def run(size_gb: float = 0.5, keys: int = 100, repeat: int = 3, latencies: tuple
                 reused = torch.empty(nbytes, dtype=torch.uint8)
                 reused.fill_(0)
 
-                def sockets_into(memory: Callable[[int], memoryview]) -> None:
-                    jobs = []
+                def sockets_into(memory: Callable[[int], memoryview]) -> list[memoryview]:
+                    jobs, views = [], []
                     for o, n in ranges:
-                        view = memory(n)
-                        jobs += [pool.submit(client.get_into, o + a, view[a:a + piece]) for a in range(0, n, piece)]
+                        views.append(memory(n))
+                        jobs += [pool.submit(client.get_into, o + a, views[-1][a:a + piece]) for a in range(0, n, piece)]
                     for j in jobs:
                         j.result()
+                    return views
 
-                def raw_sockets() -> None:
+                def raw_sockets() -> list[memoryview]:
                     at = [0]
 
                     def memory(n: int) -> memoryview:
                         at[0] += n
                         return io.tensor_buffer(reused[at[0] - n:at[0]])
-                    sockets_into(memory)
+                    return sockets_into(memory)
 
-                def raw_sockets_fresh() -> None:
-                    sockets_into(lambda n: io.tensor_buffer(io.empty((n,), torch.uint8)))
+                def raw_sockets_fresh() -> list[memoryview]:
+                    return sockets_into(lambda n: io.tensor_buffer(io.empty((n,), torch.uint8)))
 
                 def raw_fill() -> list[torch.Tensor]:  # what a loader adds: new tensors, the bytes copied in
                     pieces, out = iter(raw()), []
@@ -107,18 +111,18 @@ def run(size_gb: float = 0.5, keys: int = 100, repeat: int = 3, latencies: tuple
                         out.append(t)
                     return out
 
-                def load() -> None:
-                    th5.load(url, storage_options={"skip_instance_cache": True})
+                def load() -> Any:
+                    return th5.load(url, storage_options={"skip_instance_cache": True})
 
-                def select() -> None:
-                    th5.load(url, select=picked)
+                def select() -> Any:
+                    return th5.load(url, select=picked)
 
-                def slices() -> None:
+                def slices() -> Any:
                     with th5.open(url) as s:
-                        s.read_many({k: slice(0, max(1, len(s[k]) // 100)) for k in names})
+                        return s.read_many({k: slice(0, max(1, len(s[k]) // 100)) for k in names})
 
-                def st_whole() -> None:
-                    st_load(fs.cat_file(st_url))
+                def st_whole() -> Any:
+                    return st_load(fs.cat_file(st_url))
 
                 ops = (("raw limit: concurrent range GETs of the data", raw, nbytes),
                        (SOCKETS, raw_sockets, nbytes),
@@ -135,8 +139,9 @@ def run(size_gb: float = 0.5, keys: int = 100, repeat: int = 3, latencies: tuple
                     for label, fn, _ in ops:
                         server.control(reset=True, latency=latency)
                         t0 = time.perf_counter()
-                        fn()
+                        result = fn()  # freed after the clock stops: unmapping 0.5 GB took ~35 ms
                         times[label].append(time.perf_counter() - t0)
+                        del result
                         counts = server.control()
                         sent[label] += counts["bytes_sent"]
                         requests[label] += counts["requests"]

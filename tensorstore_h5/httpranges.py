@@ -9,9 +9,12 @@ copied once, by the kernel. Connections are kept alive and shared by every clien
 process (per host, up to :data:`IDLE_PER_HOST`). fsspec's aiohttp session receives every body on one event-loop
 thread as bytes objects that are then copied (measured in ``bench --remote``).
 
-Every answer is checked: the status, that a ``206`` names exactly the asked range and the
-object's known size, and that the body is as long as the range. Redirects are followed (at most
-:data:`REDIRECTS`) and the last location is kept for the next requests.
+Every answer is checked: the status, that it is not encoded, that a ``206`` names exactly the
+asked range and the object's known size, and that the body is as long as the range. Redirects
+to http(s) URLs are followed (at most :data:`REDIRECTS`), without the caller's
+``Authorization`` and ``Cookie`` headers once they leave the first origin; a target reached
+only by permanent redirects (301, 308) is asked directly by the next requests, a temporary one
+(302, 307: signed, expiring URLs) again through the first URL.
 """
 
 from __future__ import annotations
@@ -53,33 +56,44 @@ class RangeAnswerError(OSError):
 
 
 def check_answer(status: int, reason: str, content_range: str | None, length: int | None, start: int, end: int,
-                 size: int | None) -> int:
-    """The object's size from an answer (``status``, its ``Content-Range`` and
-    ``Content-Length`` headers, None where absent) to a GET of bytes ``start..end``; ``size``:
-    the object's size when it was opened, None if unknown.
+                 size: int | None, encoding: str | None = None) -> int:
+    """The object's size from an answer (``status``, its ``Content-Range``, ``Content-Length``
+    and ``Content-Encoding`` headers, None where absent) to a GET of bytes ``start..end``;
+    ``size``: the object's size when it was opened, None if unknown.
 
     Raises HTTPStatusError for a status other than 200/206, RangeAnswerError for an answer
-    that is not exactly that range: the whole object (a server ignoring ``Range``), another
-    range, a body of another length, or an object of another size."""
+    that is not exactly that range of the object's own bytes: encoded (gzip: the range would
+    be of the encoded bytes), the whole object (a server ignoring ``Range``), another range, a
+    body of another length, or an object of another size."""
     if status not in (200, 206):
         raise HTTPStatusError(status, reason)
+    if encoding not in (None, "", "identity"):
+        raise RangeAnswerError(f"the server answered bytes {start}..{end} with Content-Encoding {encoding!r}, "
+                               "not the stored bytes")
     if status == 200:  # the whole object: right only where the range is the whole object
         if start != 0 or length != end or (size is not None and size != end):
             raise RangeAnswerError(f"the server ignored the byte range for bytes {start}..{end} (status 200, "
                                    f"{length if length is not None else 'unknown'} bytes)")
         return end
     m = _CONTENT_RANGE.fullmatch((content_range or "").strip())
+    total = (int(m.group(3)) if m.group(3) != "*" else size) if m is not None else None
+    if m is not None and size is not None and total != size:
+        raise RangeAnswerError(f"the object changed while being read: {total} bytes now, {size} when opened")
     if m is None or (int(m.group(1)), int(m.group(2)) + 1) != (start, end):
         short = m is not None and int(m.group(1)) == start and int(m.group(2)) + 1 < end
         what = "ended early" if short else "answered another byte range"
         raise RangeAnswerError(f"the server {what} for bytes {start}..{end} (Content-Range: {content_range})")
-    total = int(m.group(3)) if m.group(3) != "*" else size
-    if size is not None and total != size:
-        raise RangeAnswerError(f"the object changed while being read: {total} bytes now, {size} when opened")
     if length is not None and length != end - start:
         what = "ended early" if length < end - start else "ignored the byte range"
         raise RangeAnswerError(f"the server {what} for bytes {start}..{end} (Content-Length {length})")
     return total if total is not None else -1
+
+
+_SECRET_HEADERS = ("authorization", "cookie", "proxy-authorization")
+"""Headers not sent on after a redirect to another origin (as browsers and aiohttp do)."""
+
+_OWN_HEADERS = ("range", "accept-encoding")
+"""Headers the client sets itself: a caller's are dropped."""
 
 
 IDLE_PER_HOST = 64
@@ -88,15 +102,21 @@ process, as a browser's are: opening many files of one server reuses them)."""
 
 _idle: dict[tuple[str, str, int], list[http.client.HTTPConnection]] = {}
 _idle_lock = threading.Lock()
-_idle_pid = os.getpid()  # a forked child does not share its parent's connections
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's sockets are forgotten, not closed (the parent still
+    uses them), and the lock is new (another thread of the parent may have held it)."""
+    global _idle, _idle_lock
+    _idle, _idle_lock = {}, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _take_idle(key: tuple[str, str, int]) -> http.client.HTTPConnection | None:
-    global _idle_pid
     with _idle_lock:
-        if _idle_pid != os.getpid():
-            _idle.clear()  # the parent's sockets: forgotten, not closed (the parent still uses them)
-            _idle_pid = os.getpid()
         conns = _idle.get(key)
         return conns.pop() if conns else None
 
@@ -104,7 +124,7 @@ def _take_idle(key: tuple[str, str, int]) -> http.client.HTTPConnection | None:
 def _give_back(key: tuple[str, str, int], conn: http.client.HTTPConnection) -> None:
     with _idle_lock:
         conns = _idle.setdefault(key, [])
-        if _idle_pid == os.getpid() and len(conns) < IDLE_PER_HOST:
+        if len(conns) < IDLE_PER_HOST:
             conns.append(conn)
             return
     conn.close()
@@ -113,7 +133,7 @@ def _give_back(key: tuple[str, str, int], conn: http.client.HTTPConnection) -> N
 def close_idle() -> None:
     """Close every idle connection (they are also closed at exit)."""
     with _idle_lock:
-        conns = [c for cs in _idle.values() for c in cs] if _idle_pid == os.getpid() else []
+        conns = [c for cs in _idle.values() for c in cs]
         _idle.clear()
     for conn in conns:
         conn.close()
@@ -167,10 +187,13 @@ class RangeClient:
         body cut short) for the caller to try again."""
         end = start + len(view)
         url = self.url
+        headers = {k: v for k, v in self._headers.items() if k.lower() not in _OWN_HEADERS}
+        headers.update({"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"})
+        origin = urllib.parse.urlsplit(url)[:2]
+        permanent = True  # every redirect so far 301 or 308: the target may be kept
         for _ in range(REDIRECTS + 1):
             parts = urllib.parse.urlsplit(url)
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            headers = {**self._headers, "Range": f"bytes={start}-{end - 1}"}
             for fresh in (False, True):  # an idle connection the server has since closed: once more on a new one
                 key, conn, idle = self._connection(parts, new=fresh)
                 try:
@@ -191,8 +214,15 @@ class RangeClient:
                     r.read()
                     keep = not r.will_close
                     url = urllib.parse.urljoin(url, r.getheader("Location", ""))
+                    moved = urllib.parse.urlsplit(url)
+                    if moved.scheme not in ("http", "https") or not moved.hostname:
+                        raise HTTPStatusError(r.status, f"redirect to {url!r} refused (not an http or https URL)")
+                    if moved[:2] != origin:  # another origin: the caller's credentials stay with the first
+                        headers = {k: v for k, v in headers.items() if k.lower() not in _SECRET_HEADERS}
+                    permanent = permanent and r.status in (301, 308)
                     continue
-                total = check_answer(r.status, r.reason, r.getheader("Content-Range"), r.length, start, end, size)
+                total = check_answer(r.status, r.reason, r.getheader("Content-Range"), r.length, start, end, size,
+                                     r.getheader("Content-Encoding"))
                 got = 0
                 while got < len(view):
                     n = r.readinto(view[got:])  # the body lands in view: recv_into, without the GIL
@@ -205,8 +235,8 @@ class RangeClient:
                     _give_back(key, conn)
                 else:
                     conn.close()
-            if url != self.url:
-                self.url = url  # later requests go straight to the redirect's target
+            if url != self.url and permanent:
+                self.url = url  # moved for good: later requests go straight to the target
             return total
         raise HTTPStatusError(310, f"more than {REDIRECTS} redirects")
 

@@ -37,8 +37,13 @@ class Behaviour:
     drop_next: int = 0             # close the connection mid-body on this many requests
     short: bool = False            # send fewer bytes than the range asks for
     suffix: bool = True            # answer suffix ranges (bytes=-N); False: the whole file, as some servers do
-    redirect: dict[str, str] = field(default_factory=dict)  # path -> location to answer 302 with
+    redirect: dict[str, str] = field(default_factory=dict)  # path -> location to answer redirect_status with
+    redirect_status: int = 302
     shift_range: int = 0           # answer the range this many bytes later than asked (and say so)
+    encoding: str = ""             # a Content-Encoding to label answers with (the bytes stay the stored ones)
+    chunked: bool = False          # send bodies with Transfer-Encoding: chunked instead of a Content-Length
+    close_after: bool = False      # close each connection after its answer, without saying so (as a server
+                                   # whose keep-alive timeout ran out between two requests)
 
 
 class _Server(ThreadingHTTPServer):
@@ -100,14 +105,28 @@ class RangeServer:
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
-                self.send_header("Content-Length", str(len(body) if length is None else length))
+                if b.encoding and status in (200, 206):
+                    self.send_header("Content-Encoding", b.encoding)
+                if b.chunked and send_body:
+                    self.send_header("Transfer-Encoding", "chunked")
+                else:
+                    self.send_header("Content-Length", str(len(body) if length is None else length))
                 self.end_headers()
                 if send_body:
-                    self.wfile.write(body[:sent])
+                    if b.chunked:
+                        for at in range(0, sent, 65536):
+                            part = body[at:min(sent, at + 65536)]
+                            self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                        if not drop:
+                            self.wfile.write(b"0\r\n\r\n")
+                    else:
+                        self.wfile.write(body[:sent])
                     self.wfile.flush()
                     if drop:
                         self.connection.shutdown(2)
                         self.close_connection = True
+                if b.close_after:
+                    self.close_connection = True
 
             def _serve(self, send_body: bool) -> None:
                 b = server.behaviour
@@ -116,7 +135,7 @@ class RangeServer:
                     self._answer(b"denied", status, {}, send_body)
                     return
                 if self.path in b.redirect:
-                    self._answer(b"moved", 302, {"Location": b.redirect[self.path]}, send_body)
+                    self._answer(b"moved", b.redirect_status, {"Location": b.redirect[self.path]}, send_body)
                     return
                 f = self._file()
                 if f is None:

@@ -22,6 +22,7 @@ import concurrent.futures
 import io as stdio
 import os
 import re
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -85,21 +86,29 @@ CONNECTIONS = 64
 each on a connection and thread of its own (the threads are shared and kept: starting 50 of
 them for each open took ~20 ms on 2 cores)."""
 
-_threads: tuple[int, int, concurrent.futures.ThreadPoolExecutor] | None = None  # (pid, CONNECTIONS, pool)
+_threads: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None  # (CONNECTIONS, pool)
 _threads_lock = threading.Lock()
 
 
 def _request_threads() -> concurrent.futures.ThreadPoolExecutor:
-    """The process's pool of :data:`CONNECTIONS` request threads (a new one after a fork or a
-    change of :data:`CONNECTIONS`)."""
+    """The process's pool of :data:`CONNECTIONS` request threads (a new one after a change of
+    :data:`CONNECTIONS`, and in a forked child, whose parent's threads do not exist)."""
     global _threads
     with _threads_lock:
-        if _threads is None or _threads[:2] != (os.getpid(), CONNECTIONS):
-            if _threads is not None and _threads[0] == os.getpid():
-                _threads[2].shutdown(wait=False)  # its running requests finish; it takes no more
-            _threads = (os.getpid(), CONNECTIONS,
-                        concurrent.futures.ThreadPoolExecutor(CONNECTIONS, thread_name_prefix="th5-http"))
-        return _threads[2]
+        if _threads is None or _threads[0] != CONNECTIONS:
+            if _threads is not None:
+                _threads[1].shutdown(wait=False)  # its running requests finish; it takes no more
+            _threads = (CONNECTIONS, concurrent.futures.ThreadPoolExecutor(CONNECTIONS, thread_name_prefix="th5-http"))
+        return _threads[1]
+
+
+def _new_threads_after_fork() -> None:
+    global _threads, _threads_lock
+    _threads, _threads_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_threads_after_fork)
 
 
 class RemoteError(TensorStoreError, OSError):
@@ -170,7 +179,7 @@ def _transient(e: BaseException) -> bool:
     if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
     text = f"{type(e).__name__} {e}"
-    if isinstance(e, (ConnectionError, TimeoutError, EOFError)) or any(
+    if isinstance(e, (ConnectionError, TimeoutError, EOFError, ssl.SSLEOFError, ssl.SSLZeroReturnError)) or any(
             s in text for s in ("Connection", "Disconnected", "Timeout", "ClientPayloadError", "IncompleteRead",
                                 "reset by peer", "SlowDown", "InternalError", "ServiceUnavailable")):
         return True  # dropped, cut short or throttled: the next try may work
@@ -219,6 +228,8 @@ class RemoteSource:
         options = dict(fs.kwargs)
         headers = options.pop("headers", None) or {}
         if options or fs.client_kwargs or not all(isinstance(v, str) for v in headers.values()):
+            return None
+        if "@" in self.path.split("://", 1)[-1].split("/", 1)[0]:  # user:password@host: aiohttp sends them
             return None
         try:
             return RangeClient(str(fs.encode_url(self._key)), headers)
@@ -309,7 +320,8 @@ class RemoteSource:
         the object's last bytes (its ``Content-Range`` ending at its size)."""
         async with await self._http_get(f"bytes=-{TAIL_BYTES}") as r:
             m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", (r.headers.get("Content-Range") or "").strip())
-            if r.status != 206 or m is None or int(m.group(2)) + 1 != int(m.group(3)):
+            if r.status != 206 or m is None or int(m.group(2)) + 1 != int(m.group(3)) or \
+                    r.headers.get("Content-Encoding", "identity") not in ("", "identity"):
                 return None  # leaving the block unread closes the connection: no whole object downloaded
             data = await r.read()
             return data if len(data) == int(m.group(2)) + 1 - int(m.group(1)) else None
@@ -319,8 +331,8 @@ class RemoteSource:
         byte_range``, on fsspec's session, with the file system's own request options."""
         fs = self._fs
         kw = dict(fs.kwargs)
-        headers = dict(kw.pop("headers", None) or {})
-        headers["Range"] = byte_range
+        headers = {k: v for k, v in (kw.pop("headers", None) or {}).items() if k.lower() not in ("range", "accept-encoding")}
+        headers.update({"Range": byte_range, "Accept-Encoding": "identity"})  # ranges of the stored bytes, not of gzip
         session = await fs.set_session()
         return session.get(fs.encode_url(self._key), headers=headers, **kw)
 
@@ -478,7 +490,7 @@ class RemoteSource:
             self._fs._raise_not_found_for_status(r, self._key)
             try:
                 check_answer(r.status, r.reason or "", r.headers.get("Content-Range"), r.content_length, start, end,
-                             self.size if self.size >= 0 else None)
+                             self.size if self.size >= 0 else None, r.headers.get("Content-Encoding"))
             except RangeAnswerError as e:
                 needs = "; tensorstore_h5 needs HTTP range requests" if "ignored" in str(e) else ""
                 raise RemoteError(f"{self.path}: {e}{needs}") from None  # unread: the connection is dropped

@@ -85,23 +85,61 @@ def test_every_answer_is_checked() -> None:
     assert e.value.status == 404
 
 
-def test_the_client_follows_a_redirect_and_then_asks_its_target(root, server) -> None:
+@pytest.mark.parametrize("status", [301, 302, 307, 308])
+def test_redirects_are_followed_and_only_permanent_ones_remembered(root, server, status) -> None:
+    """A 301/308 target is asked directly afterwards; a 302/307 one (a signed URL that
+    expires) again through the first URL."""
     _, model = root
     server.behaviour.redirect["/moved.h5"] = "/model.h5"
+    server.behaviour.redirect_status = status
     with th5.open(server.url("moved.h5")) as s:
         src = _plain_source(s)
         first = s.load(select="layers.[0-3].weight")
-        assert src._client.url == server.url("model.h5")
+        permanent = status in (301, 308)
+        assert src._client.url == server.url("model.h5" if permanent else "moved.h5")
         server.reset()
         server.behaviour.redirect["/moved.h5"] = "/model.h5"
+        server.behaviour.redirect_status = status
         second = s.load(select="layers.[4-7].weight")
-    assert server.paths == ["/model.h5"] * 4, server.paths  # no request to the old location any more
+    assert sorted(server.paths) == (["/model.h5"] * 4 if permanent else ["/model.h5"] * 4 + ["/moved.h5"] * 4)
     for out in (first, second):
         assert len(out) == 4 and all(torch.equal(out[k], model[k]) for k in out)
-    server.behaviour.redirect["/loop.h5"] = "/loop.h5"
-    client = RangeClient(server.url("loop.h5"))
-    with pytest.raises(HTTPStatusError, match="redirects"):
-        client.get_into(0, memoryview(bytearray(8)))
+
+
+def test_redirects_keep_credentials_on_their_origin_and_refuse_other_schemes(root, server) -> None:
+    other = RangeServer(root[0])  # another port: another origin
+    try:
+        secret = {"Authorization": "Bearer SECRET", "Cookie": "s=1", "X-Trace": "7"}
+        server.behaviour.redirect["/same.bin"] = "/blob.bin"
+        server.behaviour.redirect["/away.bin"] = other.url("blob.bin")
+        out = bytearray(16)
+        RangeClient(server.url("same.bin"), secret).get_into(0, memoryview(out))
+        assert server.headers[-1]["Authorization"] == "Bearer SECRET" and server.paths[-1] == "/blob.bin"
+        RangeClient(server.url("away.bin"), secret).get_into(0, memoryview(out))
+        got = other.headers[-1]
+        assert "Authorization" not in got and "Cookie" not in got and got["X-Trace"] == "7"
+        assert bytes(out) == (root[0] / "blob.bin").read_bytes()[:16]
+        server.behaviour.redirect["/ftp.bin"] = "ftp://127.0.0.1/blob.bin"
+        with pytest.raises(HTTPStatusError, match="refused"):
+            RangeClient(server.url("ftp.bin")).get_into(0, memoryview(out))
+        server.behaviour.redirect["/loop.bin"] = "/loop.bin"
+        with pytest.raises(HTTPStatusError, match="redirects"):
+            RangeClient(server.url("loop.bin")).get_into(0, memoryview(out))
+    finally:
+        other.stop()
+
+
+def test_a_connection_the_server_closed_after_answering_is_replaced(root, server, monkeypatch) -> None:
+    """The server ends each kept-alive connection after its answer without saying so: the next
+    request on it finds it closed (RemoteDisconnected) and goes again on a new connection."""
+    _, model = root
+    monkeypatch.setattr(remote, "RETRIES", 0)  # a second try would hide the replacement
+    server.behaviour.close_after = True
+    with th5.open(server.url("model.h5")) as s:
+        _plain_source(s)
+        for i in range(3):
+            time.sleep(0.05)  # the server's close has arrived
+            assert torch.equal(s[f"layers.{i}.weight"][:4], model[f"layers.{i}.weight"][:4])
 
 
 def test_an_idle_connection_the_server_closed_is_replaced_without_a_retry(root, server, monkeypatch) -> None:
@@ -139,24 +177,45 @@ def test_request_headers_reach_the_server_and_session_options_choose_fsspec(root
     with th5.open(server.url("model.h5"), storage_options={"client_kwargs": {"trust_env": False}}) as s:
         assert s._rawfile()._client is None  # only fsspec's session honours these
         assert torch.equal(s["layers.4.weight"].read(), model["layers.4.weight"])
+    server.reset()
+    with th5.open(server.url("model.h5").replace("://", "://user:pw@")) as s:  # credentials in the URL: fsspec sends them
+        assert s._rawfile()._client is None
+        assert torch.equal(s["layers.5.weight"].read(), model["layers.5.weight"])
+    assert server.headers and all(h.get("Authorization", "").startswith("Basic ") for h in server.headers)
 
 
-def test_a_forked_child_does_not_use_its_parents_connections(root, server) -> None:
-    """A data-loader worker forked after a load makes its own connections: two processes
-    reading answers from one socket would take each other's bytes."""
+def test_a_forked_child_does_not_use_its_parents_connections_or_locks(root, server) -> None:
+    """A data-loader worker forked after (or during) a load makes its own connections and
+    threads: two processes reading answers from one socket would take each other's bytes, and
+    a lock held by another thread of the parent at the fork would never be released."""
+    blob = (root[0] / "blob.bin").read_bytes()
     RangeClient(server.url("blob.bin")).get_into(0, memoryview(bytearray(8)))
     assert len(_idle(server)) == 1
     key = ("http", "127.0.0.1", server.port)
     read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: answer whether it was handed an idle connection, and leave at once
-        os.write(write, b"none" if httpranges._take_idle(key) is None else b"took")
-        os._exit(0)
+    with httpranges._idle_lock, remote._threads_lock:  # as if a request thread held them at the fork
+        pid = os.fork()
+        if pid == 0:  # the child: read through a source's threads, say what it got, and leave at once
+            try:
+                idle = httpranges._take_idle(key)
+                out = bytearray(100)
+                src = remote.RemoteSource.__new__(remote.RemoteSource)
+                src.path, src.retries, src.size, src._lock = server.url("blob.bin"), 0, len(blob), __import__("threading").Lock()
+                src.stats, src._client = {"requests": 0, "bytes": 0}, RangeClient(server.url("blob.bin"))
+                src._fetch_plain([], [(5, memoryview(out))])
+                os.write(write, b"ok" if idle is None and bytes(out) == blob[5:105] else b"wrong")
+            finally:
+                os._exit(0)
     os.close(write)
+    deadline = time.monotonic() + 20
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            pytest.fail("the forked child hung on a lock or on its parent's threads")
+        time.sleep(0.01)
     answer = os.read(read, 16)
     os.close(read)
-    assert os.waitpid(pid, 0)[1] == 0
-    assert answer == b"none" and len(_idle(server)) == 1  # the parent's connection stays the parent's
+    assert answer == b"ok" and len(_idle(server)) == 1  # the parent's connection stays the parent's
 
 
 def _self_signed(tmp_path) -> tuple[str, str]:

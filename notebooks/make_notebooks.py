@@ -515,6 +515,85 @@ NOTEBOOKS: dict[str, list[str]] = {
             assert all(torch.equal(v, sd[k]) for k, v in th5.load(one).items())
         """),
     ],
+    "06_remote_checkpoints.ipynb": [
+        md("# Remote checkpoints: read a layer without downloading the file\n"
+           "`th5.open`, `th5.load` and `load_into` take an `https://` or `s3://` URL (or a file object). Here a "
+           "small HTTP server of the library's tests serves a checkpoint on 127.0.0.1, counting every request and "
+           "byte it sends, so the notebook runs anywhere without a network."),
+        _c("""
+            %matplotlib inline
+            import os, tempfile, time, torch
+            import pandas as pd
+            import matplotlib.pyplot as plt
+            import tensorstore_h5 as th5
+            from tensorstore_h5.loopback import RangeServer
+            from tensorstore_h5.synthetic import transformer_state_dict
+
+            tmpdir = tempfile.TemporaryDirectory()   # removed when the kernel stops
+            tmp = tmpdir.name
+            sd = dict(transformer_state_dict(8, 512))
+            th5.save(sd, os.path.join(tmp, 'ckpt.h5'))
+            size = os.path.getsize(os.path.join(tmp, 'ckpt.h5'))
+            server = RangeServer(tmp)
+            url = server.url('ckpt.h5')
+            print(url, f'{size / 1e6:.1f} MB')
+        """),
+        md("Opening costs one round trip: the header, the object's size and its last 256 KiB, where the layout "
+           "lies, are asked for at once. The store shows the tree without any tensor byte:"),
+        html(_c("""
+            server.reset()
+            store = th5.open(url)
+            print(len(server.requests), 'requests,', server.bytes_sent, 'bytes')
+            store
+        """)),
+        md("Each way of reading moves only its own bytes (neighbouring ranges in one request, the rest "
+           "concurrently). The server's own counts:"),
+        html(_c("""
+            def moved(label, fn):
+                server.reset()
+                t0 = time.perf_counter()
+                out = fn()
+                return {'read': label, 'requests': len(server.requests), 'MB sent': server.bytes_sent / 1e6,
+                        'share of the file': server.bytes_sent / size, 'ms': 1e3 * (time.perf_counter() - t0)}, out
+
+            rows = []
+            row, layer = moved('one layer (select)', lambda: store.load(select='layers.3.*'))
+            rows.append(row)
+            row, embed_rows = moved('10 rows of the embedding', lambda: store['embed.weight'][500:510])
+            rows.append(row)
+            row, heads = moved('first row of every tensor (read_many)',
+                               lambda: store.read_many({k: 0 for k in store.keys() if store[k].ndim == 2}))
+            rows.append(row)
+            row, everything = moved('everything (load)', lambda: store.load())
+            rows.append(row)
+            table = pd.DataFrame(rows).set_index('read')
+            assert all(torch.equal(layer[k], sd[k]) for k in layer) and torch.equal(embed_rows, sd['embed.weight'][500:510])
+            assert all(torch.equal(everything[k], sd[k]) for k in sd)
+            table.style.format({'MB sent': '{:.2f}', 'share of the file': '{:.1%}', 'ms': '{:.0f}'})
+        """)),
+        figure(_c("""
+            fig, ax = plt.subplots(figsize=(7, 2.4))
+            ax.barh(table.index, table['share of the file'], color='C0')
+            ax.set_xscale('log')
+            ax.set_xlabel('bytes sent by the server, as a share of the file (log scale)')
+            ax.invert_yaxis()
+            fig.tight_layout()
+            plt.show()
+        """)),
+        md("## Trust\n"
+           "Every answer's byte range is checked, so a server that ignores `Range`, ends early, or answers other "
+           "bytes than asked is refused, naming the URL and the keys, instead of returning wrong bytes:"),
+        _c("""
+            server.behaviour.shift_range = 1   # answers the range one byte later than asked, and says so
+            try:
+                store.load(select='layers.0.*')
+            except th5.TensorStoreError as e:
+                print(type(e).__name__, ':', e)
+            server.reset()
+            store.close()
+            server.stop()
+        """),
+    ],
 }
 
 

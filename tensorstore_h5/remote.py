@@ -42,8 +42,11 @@ RETRIES = 3
 BACKOFF = 0.2
 """Seconds before the first retry (doubling each time)."""
 
-MAX_GAP = 1 << 20
-"""Ranges closer than this many bytes are fetched by one request (the gap is read and dropped)."""
+MAX_GAP = 64 << 10
+"""Ranges closer than this many bytes are fetched by one request (the gap is read and dropped).
+Requests run concurrently, so a gap saves little time: with 1 MiB, reading the first row of
+every tensor of a model of 1 MiB weights moved 8.5 MB for 0.1 MB of rows (Arrow's S3 reads
+use 8 KiB)."""
 
 REQUEST_BYTES = 8 << 20
 """Longer ranges are split into requests of this many bytes, fetched concurrently."""

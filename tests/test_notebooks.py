@@ -46,9 +46,10 @@ def missing_outputs(nb: nbformat.NotebookNode) -> list[str]:
     return problems
 
 
-def test_there_are_five_notebooks() -> None:
+def test_there_are_six_notebooks() -> None:
     assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_partial_loading.ipynb", "03_compression.ipynb",
-                                           "04_gpu_loading.ipynb", "05_sharded_checkpoints.ipynb"]
+                                           "04_gpu_loading.ipynb", "05_sharded_checkpoints.ipynb",
+                                           "06_remote_checkpoints.ipynb"]
 
 
 def test_notebooks_are_what_the_generator_writes() -> None:
@@ -66,7 +67,7 @@ def test_each_notebook_promises_figures() -> None:
                for p in NOTEBOOKS}
     # 02: time against bytes selected, memory while streaming; 03: ratio and speeds per preset
     assert figures == {"01_quickstart.ipynb": 1, "02_partial_loading.ipynb": 3, "03_compression.ipynb": 1,
-                       "04_gpu_loading.ipynb": 1, "05_sharded_checkpoints.ipynb": 1}
+                       "04_gpu_loading.ipynb": 1, "05_sharded_checkpoints.ipynb": 1, "06_remote_checkpoints.ipynb": 1}
     for p in NOTEBOOKS:
         assert "matplotlib.use(" not in p.read_text(), f"{p.name} sets a backend that shows no figures"
 

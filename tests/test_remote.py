@@ -580,3 +580,17 @@ def test_encoded_answers_are_refused_and_chunked_ones_read(served, server) -> No
     assert_same(th5.load(url, verify=True), objs["small"])
     server.behaviour.drop_next = 1
     assert_same(th5.load(url, verify=True), objs["small"])
+
+
+def test_sparse_rows_move_their_own_bytes_not_the_gaps_between_them(served, server) -> None:
+    """The first row of each of 40 tensors of 1 MiB: 40 concurrent requests of 4 KiB, not one
+    request of ~40 MiB spanning the gaps (they were closer than the old 1 MiB MAX_GAP)."""
+    g = torch.Generator().manual_seed(9)
+    sd = {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(40)}
+    th5.save(sd, server.root / "sparse.h5")
+    with th5.open(server.url("sparse.h5")) as s:
+        server.reset()
+        rows = s.read_many({k: 0 for k in sd})
+    assert all(torch.equal(rows[k], sd[k][0]) for k in sd)
+    row_bytes = 40 * 1024 * 4
+    assert row_bytes <= server.bytes_sent <= row_bytes + 40 * remote.MAX_GAP // 16, server.bytes_sent

@@ -81,8 +81,9 @@ PLAIN_HTTP = True
 (plain keep-alive connections from :data:`CONNECTIONS` threads, each body received by the kernel
 straight into the tensor's memory) rather than through fsspec's aiohttp session (bodies
 received as bytes objects on one event-loop thread, then copied). Where ``storage_options``
-hold request options other than ``headers`` (``client_kwargs``, ``auth``, ...) the session is
-used, which honours them. Opening (the header, size and tail) goes through fsspec either way."""
+hold request options other than ``headers`` (``client_kwargs``, ``auth``, ...) or the URL
+holds a ``user:password@``, the session is used, which honours them. Opening (the header,
+size and tail) goes through fsspec either way."""
 
 CONNECTIONS = 64
 """Requests the plain-HTTP sources (:data:`PLAIN_HTTP`) of the process have in flight at most,
@@ -454,13 +455,17 @@ class RemoteSource:
             try:
                 client.get_into(start, view, self.size if self.size >= 0 else None)
             except RangeAnswerError as e:
-                needs = "; tensorstore_h5 needs HTTP range requests" if "ignored" in str(e) else ""
-                raise RemoteError(f"{self.path}: {e}{needs}") from e
+                raise self._answer_error(e) from e
 
         self._call(f"bytes {start}..{end}", get)
         with self._lock:
             self.stats["requests"] += 1
             self.stats["bytes"] += len(view)
+
+    def _answer_error(self, e: RangeAnswerError) -> RemoteError:
+        """The error to raise for an answer that is not the asked range, naming the URL."""
+        needs = "; tensorstore_h5 needs HTTP range requests" if "ignored" in str(e) else ""
+        return RemoteError(f"{self.path}: {e}{needs}")
 
     def _streams(self) -> bool:
         """True where responses can stream into memory of ours: fsspec's HTTP file system."""
@@ -495,8 +500,7 @@ class RemoteSource:
                 check_answer(r.status, r.reason or "", r.headers.get("Content-Range"), r.content_length, start, end,
                              self.size if self.size >= 0 else None, r.headers.get("Content-Encoding"))
             except RangeAnswerError as e:
-                needs = "; tensorstore_h5 needs HTTP range requests" if "ignored" in str(e) else ""
-                raise RemoteError(f"{self.path}: {e}{needs}") from None  # unread: the connection is dropped
+                raise self._answer_error(e) from None  # unread: the connection is dropped
             async for chunk in r.content.iter_any():
                 n = len(chunk)
                 if got + n > len(view):

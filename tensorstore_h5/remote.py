@@ -30,10 +30,10 @@ from typing import Any
 
 from . import io
 from .errors import TensorStoreError
-from .httpranges import RangeAnswerError, RangeClient, check_answer
+from .httpranges import HTTPStatusError, RangeAnswerError, RangeClient, check_answer
 
 __all__ = ["RETRIES", "MAX_GAP", "REQUEST_BYTES", "BATCH_BYTES", "FETCH_AHEAD", "TAIL_BYTES", "DIRECT_BYTES",
-           "PLAIN_HTTP", "CONNECTIONS", "is_url",
+           "PLAIN_HTTP", "PRESIGN_SECONDS", "CONNECTIONS", "is_url",
            "is_fileobj", "open_source", "RemoteSource", "FileObjSource", "RemoteError", "upload"]
 
 RETRIES = 3
@@ -82,8 +82,14 @@ PLAIN_HTTP = True
 straight into the tensor's memory) rather than through fsspec's aiohttp session (bodies
 received as bytes objects on one event-loop thread, then copied). Where ``storage_options``
 hold request options other than ``headers`` (``client_kwargs``, ``auth``, ...) or the URL
-holds a ``user:password@``, the session is used, which honours them. Opening (the header,
-size and tail) goes through fsspec either way."""
+holds a ``user:password@``, the session is used, which honours them. ``s3://`` objects are read
+the same way by a presigned URL (signed by s3fs, locally, for :data:`PRESIGN_SECONDS`), unless
+s3fs is asked for requester-pays or additional per-request arguments (encryption keys). Opening
+(the header, size and tail) goes through fsspec either way."""
+
+PRESIGN_SECONDS = 3600
+"""How long the presigned URL an ``s3://`` object is read by stays good (see :data:`PLAIN_HTTP`);
+an answer 403 signs it again."""
 
 CONNECTIONS = 64
 """Requests the plain-HTTP sources (:data:`PLAIN_HTTP`) of the process have in flight at most,
@@ -224,9 +230,16 @@ class RemoteSource:
         return self._client is None
 
     def _plain_client(self) -> RangeClient | None:
-        """A :class:`RangeClient` for an http(s) URL whose request options it can honour (see
-        :data:`PLAIN_HTTP`), else None."""
-        if not PLAIN_HTTP or not self._streams():
+        """A :class:`RangeClient` for an http(s) URL whose request options it can honour, or for
+        an ``s3://`` object by a presigned URL (see :data:`PLAIN_HTTP`), else None."""
+        if not PLAIN_HTTP:
+            return None
+        if self._presigns():
+            try:
+                return RangeClient(self._presign())
+            except Exception:  # noqa: BLE001 - no presigned URL (no credentials...): s3fs reads it
+                return None
+        if not self._streams():
             return None
         fs = self._fs
         options = dict(fs.kwargs)
@@ -239,6 +252,19 @@ class RemoteSource:
             return RangeClient(str(fs.encode_url(self._key)), headers)
         except ValueError:
             return None
+
+    def _presigns(self) -> bool:
+        """True for an S3 object read by presigned URLs: s3fs without options that need headers
+        on each request (requester pays, server-side encryption with the caller's key)."""
+        protocols = {self._fs.protocol} if isinstance(self._fs.protocol, str) else set(self._fs.protocol)
+        if not protocols & {"s3", "s3a"}:
+            return False
+        fs = self._fs
+        return not getattr(fs, "req_kw", None) and not getattr(fs, "s3_additional_kwargs", None)
+
+    def _presign(self) -> str:
+        """A URL that GETs the S3 object for :data:`PRESIGN_SECONDS` (s3fs signs it locally)."""
+        return str(self._fs.url(self._key, expires=PRESIGN_SECONDS))
 
     # -- requests
 
@@ -344,7 +370,7 @@ class RemoteSource:
         """Bytes ``start..end`` by one request; ``allow_short``: fewer where the object ends
         before ``end`` (its header, before its size is known). Over HTTP every other answer's
         range is checked (see :func:`tensorstore_h5.httpranges.check_answer`)."""
-        if not allow_short and self._streams():
+        if not allow_short and (self._client is not None or self._streams()):
             buf = bytearray(end - start)
             if self._client is not None:
                 self._get_into(start, memoryview(buf))
@@ -456,6 +482,11 @@ class RemoteSource:
                 client.get_into(start, view, self.size if self.size >= 0 else None)
             except RangeAnswerError as e:
                 raise self._answer_error(e) from e
+            except HTTPStatusError as e:
+                if e.status != 403 or not self._presigns():
+                    raise
+                client.url = self._presign()  # expired: signed again (a key without access fails again)
+                client.get_into(start, view, self.size if self.size >= 0 else None)
 
         self._call(f"bytes {start}..{end}", get)
         with self._lock:

@@ -468,6 +468,28 @@ def test_s3_save_load_select_through_moto(s3) -> None:
     assert list(part) == ["layers.3.weight"] and torch.equal(part["layers.3.weight"], obj["layers.3.weight"])
     with th5.open("s3://ckpts/model.h5", storage_options=options) as s:
         assert s.metadata == {"where": "s3"} and torch.equal(s["layers.5.weight"][7], obj["layers.5.weight"][7])
+        # read by a presigned URL and the plain client, or through s3fs
+        assert (s._rawfile()._client is not None) == remote.PLAIN_HTTP
+
+
+def test_s3_presigned_reads_sign_again_after_a_403_and_keep_per_request_options_on_s3fs(s3, served, server,
+                                                                                        client) -> None:
+    """An expired presigned URL answers 403: the read signs a new one and goes on. Requester
+    pays needs a header on each request: s3fs reads such objects."""
+    if client != "plain":
+        pytest.skip("presigned URLs are the plain client's")
+    options, fs = s3
+    obj = _model(3, 64, 256)
+    th5.save(obj, "s3://ckpts/presigned.h5", storage_options=options)
+    with th5.open("s3://ckpts/presigned.h5", storage_options=options) as s:
+        src = s._rawfile()
+        server.behaviour.status["/expired"] = 403
+        src._client.url = server.url("expired")  # as a signature past its time answers
+        assert torch.equal(s["layers.2.weight"][5:9], obj["layers.2.weight"][5:9])
+        assert "X-Amz-Signature" in src._client.url or "Signature" in src._client.url, src._client.url
+        assert server.paths == ["/expired"]  # asked once, then signed again
+    with th5.open("s3://ckpts/presigned.h5", storage_options={**options, "requester_pays": True}) as s:
+        assert s._rawfile()._client is None
 
 
 def test_a_failed_s3_save_leaves_no_object(s3) -> None:

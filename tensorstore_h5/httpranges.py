@@ -10,7 +10,9 @@ process (per host, up to :data:`IDLE_PER_HOST`). fsspec's aiohttp session receiv
 thread as bytes objects that are then copied (measured in ``bench --remote``).
 
 Every answer is checked: the status, that it is not encoded, that a ``206`` names exactly the
-asked range and the object's known size, and that the body is as long as the range. Redirects
+asked range and the object's known size, and that the body is as long as the range; given the
+object's ETag when it was opened, requests carry ``If-Match`` so that a replaced object of the
+same size is refused (412) rather than read half old, half new. Redirects
 to http(s) URLs are followed (at most :data:`REDIRECTS`), without the caller's
 ``Authorization`` and ``Cookie`` headers once they leave the first origin; a target reached
 only by permanent redirects (301, 308) is asked directly by the next requests, a temporary one
@@ -28,7 +30,7 @@ import threading
 import urllib.parse
 from collections.abc import Mapping
 
-__all__ = ["RangeClient", "HTTPStatusError", "RangeAnswerError", "check_answer", "close_idle", "REDIRECTS", "TIMEOUT",
+__all__ = ["RangeClient", "HTTPStatusError", "RangeAnswerError", "VersionError", "check_answer", "close_idle", "REDIRECTS", "TIMEOUT",
            "IDLE_PER_HOST"]
 
 REDIRECTS = 5
@@ -55,6 +57,10 @@ class RangeAnswerError(OSError):
     range, a body of another length, or an object of another size than when it was opened."""
 
 
+class VersionError(RangeAnswerError):
+    """An answer 412 to a request with ``If-Match``: the object is not the version opened."""
+
+
 def check_answer(status: int, reason: str, content_range: str | None, length: int | None, start: int, end: int,
                  size: int | None, encoding: str | None = None) -> int:
     """The object's size from an answer (``status``, its ``Content-Range``, ``Content-Length``
@@ -65,6 +71,9 @@ def check_answer(status: int, reason: str, content_range: str | None, length: in
     that is not exactly that range of the object's own bytes: encoded (gzip: the range would
     be of the encoded bytes), the whole object (a server ignoring ``Range``), another range, a
     body of another length, or an object of another size."""
+    if status == 412:  # only asked for with If-Match: the object is not the version opened
+        raise VersionError(f"the object changed while being read: bytes {start}..{end} are no longer those of "
+                           "the version opened (HTTP 412)")
     if status not in (200, 206):
         raise HTTPStatusError(status, reason)
     if encoding not in (None, "", "identity"):
@@ -92,7 +101,7 @@ def check_answer(status: int, reason: str, content_range: str | None, length: in
 _SECRET_HEADERS = ("authorization", "cookie", "proxy-authorization")
 """Headers not sent on after a redirect to another origin (as browsers and aiohttp do)."""
 
-_OWN_HEADERS = ("range", "accept-encoding")
+_OWN_HEADERS = ("range", "accept-encoding", "if-match")
 """Headers the client sets itself: a caller's are dropped."""
 
 
@@ -176,9 +185,11 @@ class RangeClient:
                 else http.client.HTTPConnection(key[1], key[2], timeout=self._timeout))
         return key, conn, False
 
-    def get_into(self, start: int, view: memoryview, size: int | None = None) -> int:
+    def get_into(self, start: int, view: memoryview, size: int | None = None, etag: str | None = None) -> int:
         """Fill ``view`` with the object's bytes from ``start`` on; ``size``: the object's size
-        when it was opened (an answer naming another is refused). Returns the object's size.
+        when it was opened (an answer naming another is refused); ``etag``: its strong ETag then
+        (asked for with ``If-Match``: a replaced object answers 412, refused). Returns the
+        object's size.
 
         Raises HTTPStatusError (a status other than 200/206, redirects past
         :data:`REDIRECTS`), RangeAnswerError (another range or length than asked: a server
@@ -189,6 +200,8 @@ class RangeClient:
         url = self.url
         headers = {k: v for k, v in self._headers.items() if k.lower() not in _OWN_HEADERS}
         headers.update({"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"})
+        if etag is not None:
+            headers["If-Match"] = etag
         origin = urllib.parse.urlsplit(url)[:2]
         permanent = True  # every redirect so far 301 or 308: the target may be kept
         for _ in range(REDIRECTS + 1):

@@ -42,6 +42,8 @@ class Behaviour:
     shift_range: int = 0           # answer the range this many bytes later than asked (and say so)
     encoding: str = ""             # a Content-Encoding to label answers with (the bytes stay the stored ones)
     chunked: bool = False          # send bodies with Transfer-Encoding: chunked instead of a Content-Length
+    etag: bool = True              # send ETags and honour If-Match (412 for another version)
+    refuse_if_match: bool = False  # answer 412 to every If-Match, as servers behind one name whose ETags differ
     close_after: bool = False      # close each connection after its answer, without saying so (as a server
                                    # whose keep-alive timeout ran out between two requests)
 
@@ -141,14 +143,21 @@ class RangeServer:
                 if f is None:
                     self._answer(b"not found", 404, {}, send_body)
                     return
-                size = f.stat().st_size
+                st = f.stat()
+                size = st.st_size
+                etag = f'"{st.st_mtime_ns:x}-{size:x}"'  # as servers make them: changes when the file does
+                if b.etag and self.headers.get("If-Match") not in (None, "*", etag) or \
+                        b.refuse_if_match and self.headers.get("If-Match"):
+                    self._answer(b"precondition failed", 412, {"ETag": etag}, send_body)
+                    return
                 asked = self.headers.get("Range", "")
                 last = re.fullmatch(r"bytes=-(\d+)", asked)
                 if last is not None and b.suffix and size:  # the last N bytes (RFC 9110)
                     asked = f"bytes={max(0, size - int(last.group(1)))}-"
                 m = re.fullmatch(r"bytes=(\d+)-(\d*)", asked)
                 if m is None or b.ignore_range:
-                    self._answer(f.read_bytes() if send_body else b"", 200, {"Accept-Ranges": "bytes"}, send_body, size)
+                    self._answer(f.read_bytes() if send_body else b"", 200, {"Accept-Ranges": "bytes", **({"ETag": etag} if b.etag else {})},
+                                 send_body, size)
                     return
                 start = int(m.group(1)) + b.shift_range
                 end = min(size - 1, int(m.group(2)) + b.shift_range) if m.group(2) else size - 1
@@ -161,7 +170,7 @@ class RangeServer:
                 if b.short:
                     part = part[: max(0, len(part) - 7)]
                 self._answer(part, 206, {"Content-Range": f"bytes {start}-{start + len(part) - 1}/{size}",
-                                         "Accept-Ranges": "bytes"}, send_body)
+                                         "Accept-Ranges": "bytes", **({"ETag": etag} if b.etag else {})}, send_body)
 
             def _control(self) -> bool:
                 """Answer a request to the control path; False for any other request."""

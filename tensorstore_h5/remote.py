@@ -30,7 +30,7 @@ from typing import Any
 
 from . import io
 from .errors import TensorStoreError
-from .httpranges import HTTPStatusError, RangeAnswerError, RangeClient, check_answer
+from .httpranges import HTTPStatusError, RangeAnswerError, RangeClient, VersionError, check_answer
 
 __all__ = ["RETRIES", "MAX_GAP", "REQUEST_BYTES", "BATCH_BYTES", "FETCH_AHEAD", "TAIL_BYTES", "DIRECT_BYTES",
            "PLAIN_HTTP", "PRESIGN_SECONDS", "CONNECTIONS", "is_url",
@@ -218,6 +218,7 @@ class RemoteSource:
         self._lock = threading.Lock()
         self.stats = {"requests": 0, "bytes": 0}
         self.size = -1
+        self.etag: str | None = None  # the version opened (a strong ETag), asked for by If-Match
         self.identity = (0, hash(url))
         self._client = self._plain_client()
 
@@ -303,7 +304,7 @@ class RemoteSource:
             t.start()
             return t
 
-        asked = [ask("size", lambda: self._call("size", lambda: self._fs.info(self._key)["size"]))]
+        asked = [ask("info", lambda: self._call("size", lambda: self._fs.info(self._key)))]
         tail_of = self._tail_reader() if TAIL_BYTES > head else None
         if tail_of is not None:
             asked.append(ask("tail", tail_of))
@@ -312,7 +313,9 @@ class RemoteSource:
             t.join()
         if "error" in result:
             raise result["error"]
-        self.size = int(result["size"])
+        self.size = int(result["info"]["size"])
+        etag = result["info"].get("ETag") or result["info"].get("etag")
+        self.etag = etag if isinstance(etag, str) and etag.startswith('"') else None  # strong ones only
         tail = result.get("tail")
         if tail is not None:
             with self._lock:
@@ -363,6 +366,8 @@ class RemoteSource:
         kw = dict(fs.kwargs)
         headers = {k: v for k, v in (kw.pop("headers", None) or {}).items() if k.lower() not in ("range", "accept-encoding")}
         headers.update({"Range": byte_range, "Accept-Encoding": "identity"})  # ranges of the stored bytes, not of gzip
+        if self.etag is not None and not byte_range.startswith("bytes=-"):
+            headers["If-Match"] = self.etag  # the version opened, or 412
         session = await fs.set_session()
         return session.get(fs.encode_url(self._key), headers=headers, **kw)
 
@@ -479,19 +484,33 @@ class RemoteSource:
 
         def get() -> None:
             try:
-                client.get_into(start, view, self.size if self.size >= 0 else None)
+                try:
+                    client.get_into(start, view, self.size if self.size >= 0 else None, self.etag)
+                except HTTPStatusError as e:
+                    if e.status != 403 or not self._presigns():
+                        raise
+                    client.url = self._presign()  # expired: signed again (a key without access fails again)
+                    client.get_into(start, view, self.size if self.size >= 0 else None, self.etag)
+                except VersionError:
+                    self._after_412(self._call("size", lambda: self._fs.info(self._key)).get("ETag"))
+                    client.get_into(start, view, self.size if self.size >= 0 else None, self.etag)
             except RangeAnswerError as e:
                 raise self._answer_error(e) from e
-            except HTTPStatusError as e:
-                if e.status != 403 or not self._presigns():
-                    raise
-                client.url = self._presign()  # expired: signed again (a key without access fails again)
-                client.get_into(start, view, self.size if self.size >= 0 else None)
 
         self._call(f"bytes {start}..{end}", get)
         with self._lock:
             self.stats["requests"] += 1
             self.stats["bytes"] += len(view)
+
+    def _after_412(self, etag: Any) -> None:
+        """After a 412 to ``If-Match``, with ``etag`` the object's ETag now: raises VersionError
+        where it is no longer the one opened; where it still is, the server's preconditions
+        are not to be trusted (servers behind one name whose ETags differ): later requests go
+        without ``If-Match``, checked by the object's size alone."""
+        if etag != self.etag:
+            raise VersionError(f"the object changed while being read: its ETag is {etag}, it was {self.etag} "
+                               "when opened")
+        self.etag = None
 
     def _answer_error(self, e: RangeAnswerError) -> RemoteError:
         """The error to raise for an answer that is not the asked range, naming the URL."""
@@ -525,13 +544,27 @@ class RemoteSource:
         the answer's range is checked (:func:`tensorstore_h5.httpranges.check_answer`)."""
         end = start + len(view)
         got = 0
-        async with await self._http_get(f"bytes={start}-{end - 1}") as r:
-            self._fs._raise_not_found_for_status(r, self._key)
+        for again in (False, True):  # again: after a 412 from a server whose preconditions are not to be trusted
+            r = await (await self._http_get(f"bytes={start}-{end - 1}")).__aenter__()
             try:
                 check_answer(r.status, r.reason or "", r.headers.get("Content-Range"), r.content_length, start, end,
                              self.size if self.size >= 0 else None, r.headers.get("Content-Encoding"))
+                break
+            except VersionError as e:
+                r.release()
+                if again:
+                    raise self._answer_error(e) from None
+                try:
+                    self._after_412((await self._fs._info(self._key)).get("ETag"))
+                except VersionError as changed:
+                    raise self._answer_error(changed) from None
             except RangeAnswerError as e:
-                raise self._answer_error(e) from None  # unread: the connection is dropped
+                r.release()  # unread: the connection is dropped
+                raise self._answer_error(e) from None
+            except BaseException:
+                r.release()
+                raise
+        async with r:
             async for chunk in r.content.iter_any():
                 n = len(chunk)
                 if got + n > len(view):

@@ -343,16 +343,35 @@ def test_latency_costs_a_few_round_trips(served, server) -> None:
 
 
 def test_an_answer_for_other_bytes_or_a_changed_object_is_refused(served, server) -> None:
-    """Trust: an answer whose Content-Range names other bytes than asked, or an object whose
-    size changed since it was opened, is refused naming the URL and the keys; nothing loads."""
+    """Trust: an answer whose Content-Range names other bytes than asked, an object replaced
+    since it was opened by one of the same size (its ETag, asked for by If-Match, answers
+    412), or, from a server without ETags, by one of another size, is refused naming the URL
+    and the keys; nothing loads."""
     _, objs = served
-    shutil.copy(server.root / "small.h5", server.root / "changing.h5")
     with th5.open(server.url("small.h5")) as s:
         server.behaviour.shift_range = 1
-        with pytest.raises(th5.TensorStoreError, match=r"small\.h5: keys? 'layers\.0\.weight'.*(another byte range|ended early|ignored)"):
+        with pytest.raises(th5.TensorStoreError, match=r"small\.h5: keys? 'layers\.0\.weight'.*another byte range"):
             s.load()
     server.reset()
+    replaced = {k: v + 1 for k, v in objs["small"].items()}  # the same shapes: a file of the same size
+    shutil.copy(server.root / "small.h5", server.root / "changing.h5")
     with th5.open(server.url("changing.h5")) as s:
+        time.sleep(0.01)  # another modification time, so another ETag
+        th5.save(replaced, server.root / "changing.h5")
+        assert (server.root / "changing.h5").stat().st_size == (server.root / "small.h5").stat().st_size
+        with pytest.raises(th5.TensorStoreError, match=r"changing\.h5: keys 'layers\.0\.weight'.*changed while being "
+                                                       r"read: its ETag is .*, it was .* when opened"):
+            s.load()
+    with th5.open(server.url("small.h5")) as s:  # a 412 though the ETag is the one opened: If-Match is dropped
+        server.behaviour.refuse_if_match = True
+        assert s._rawfile().etag is not None
+        assert_same(s.load(verify=True), objs["small"])
+        assert s._rawfile().etag is None
+    server.reset()
+    server.behaviour.etag = False
+    shutil.copy(server.root / "small.h5", server.root / "changing.h5")
+    with th5.open(server.url("changing.h5")) as s:
+        assert s._rawfile().etag is None
         th5.save({"other": torch.zeros(9)}, server.root / "changing.h5")  # replaced by a shorter object
         with pytest.raises(th5.TensorStoreError, match=r"changing\.h5: .*changed while being read: 4[0-9]+ bytes now"):
             s.load()

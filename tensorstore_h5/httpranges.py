@@ -6,17 +6,17 @@ body received straight into the caller's memory.
 ``socket.recv_into`` (through the socket file's ``readinto``), which writes into the tensor's
 memory without the interpreter lock, so several connections receive at once and each byte is
 copied once, by the kernel. Connections are kept alive and shared by every client of the
-process (per host, up to :data:`IDLE_PER_HOST`). fsspec's aiohttp session receives every body on one event-loop
-thread as bytes objects that are then copied (measured in ``bench --remote``).
+process (per host, up to :data:`IDLE_PER_HOST`). fsspec's aiohttp session receives every body
+on one event-loop thread as bytes objects that are then copied (measured in ``bench --remote``).
 
 Every answer is checked: the status, that it is not encoded, that a ``206`` names exactly the
 asked range and the object's known size, and that the body is as long as the range; given the
 object's ETag when it was opened, requests carry ``If-Match`` so that a replaced object of the
-same size is refused (412) rather than read half old, half new. Redirects
-to http(s) URLs are followed (at most :data:`REDIRECTS`), without the caller's
-``Authorization`` and ``Cookie`` headers once they leave the first origin; a target reached
-only by permanent redirects (301, 308) is asked directly by the next requests, a temporary one
-(302, 307: signed, expiring URLs) again through the first URL.
+same size is refused (412) rather than read half old, half new. Redirects to http(s) URLs are
+followed (at most :data:`REDIRECTS`), without the caller's ``Authorization`` and ``Cookie``
+headers once they leave the first origin; a target reached only by permanent redirects (301,
+308) is asked directly by the next requests, a temporary one (302, 307: signed, expiring URLs)
+again through the first URL.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import threading
 import urllib.parse
 from collections.abc import Mapping
 
-__all__ = ["RangeClient", "HTTPStatusError", "RangeAnswerError", "VersionError", "check_answer", "close_idle", "REDIRECTS", "TIMEOUT",
-           "IDLE_PER_HOST"]
+__all__ = ["RangeClient", "HTTPStatusError", "RangeAnswerError", "VersionError", "check_answer", "parse_content_range",
+           "close_idle", "REDIRECTS", "TIMEOUT", "IDLE_PER_HOST"]
 
 REDIRECTS = 5
 """Redirects followed for one request before it fails."""
@@ -61,6 +61,15 @@ class VersionError(RangeAnswerError):
     """An answer 412 to a request with ``If-Match``: the object is not the version opened."""
 
 
+def parse_content_range(header: str | None) -> tuple[int, int, int | None] | None:
+    """``(start, end, total)`` of a ``Content-Range: bytes a-b/total`` header (``end`` is
+    ``b + 1``; ``total`` None for ``*``); None for another or no header."""
+    m = _CONTENT_RANGE.fullmatch((header or "").strip())
+    if m is None:
+        return None
+    return int(m.group(1)), int(m.group(2)) + 1, None if m.group(3) == "*" else int(m.group(3))
+
+
 def check_answer(status: int, reason: str, content_range: str | None, length: int | None, start: int, end: int,
                  size: int | None, encoding: str | None = None) -> int:
     """The object's size from an answer (``status``, its ``Content-Range``, ``Content-Length``
@@ -84,12 +93,12 @@ def check_answer(status: int, reason: str, content_range: str | None, length: in
             raise RangeAnswerError(f"the server ignored the byte range for bytes {start}..{end} (status 200, "
                                    f"{length if length is not None else 'unknown'} bytes)")
         return end
-    m = _CONTENT_RANGE.fullmatch((content_range or "").strip())
-    total = (int(m.group(3)) if m.group(3) != "*" else size) if m is not None else None
-    if m is not None and size is not None and total != size:
+    named = parse_content_range(content_range)
+    total = (named[2] if named[2] is not None else size) if named is not None else None
+    if named is not None and size is not None and total != size:
         raise RangeAnswerError(f"the object changed while being read: {total} bytes now, {size} when opened")
-    if m is None or (int(m.group(1)), int(m.group(2)) + 1) != (start, end):
-        short = m is not None and int(m.group(1)) == start and int(m.group(2)) + 1 < end
+    if named is None or named[:2] != (start, end):
+        short = named is not None and named[0] == start and named[1] < end
         what = "ended early" if short else "answered another byte range"
         raise RangeAnswerError(f"the server {what} for bytes {start}..{end} (Content-Range: {content_range})")
     if length is not None and length != end - start:

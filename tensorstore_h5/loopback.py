@@ -150,14 +150,14 @@ class RangeServer:
                         b.refuse_if_match and self.headers.get("If-Match"):
                     self._answer(b"precondition failed", 412, {"ETag": etag}, send_body)
                     return
+                found = {"Accept-Ranges": "bytes", **({"ETag": etag} if b.etag else {})}  # headers of a 200 or 206
                 asked = self.headers.get("Range", "")
                 last = re.fullmatch(r"bytes=-(\d+)", asked)
                 if last is not None and b.suffix and size:  # the last N bytes (RFC 9110)
                     asked = f"bytes={max(0, size - int(last.group(1)))}-"
                 m = re.fullmatch(r"bytes=(\d+)-(\d*)", asked)
                 if m is None or b.ignore_range:
-                    self._answer(f.read_bytes() if send_body else b"", 200, {"Accept-Ranges": "bytes", **({"ETag": etag} if b.etag else {})},
-                                 send_body, size)
+                    self._answer(f.read_bytes() if send_body else b"", 200, found, send_body, size)
                     return
                 start = int(m.group(1)) + b.shift_range
                 end = min(size - 1, int(m.group(2)) + b.shift_range) if m.group(2) else size - 1
@@ -170,7 +170,7 @@ class RangeServer:
                 if b.short:
                     part = part[: max(0, len(part) - 7)]
                 self._answer(part, 206, {"Content-Range": f"bytes {start}-{start + len(part) - 1}/{size}",
-                                         "Accept-Ranges": "bytes", **({"ETag": etag} if b.etag else {})}, send_body)
+                                         **found}, send_body)
 
             def _control(self) -> bool:
                 """Answer a request to the control path; False for any other request."""

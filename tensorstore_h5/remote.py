@@ -30,7 +30,7 @@ from typing import Any
 
 from . import io
 from .errors import TensorStoreError
-from .httpranges import HTTPStatusError, RangeAnswerError, RangeClient, VersionError, check_answer
+from .httpranges import HTTPStatusError, RangeAnswerError, RangeClient, VersionError, check_answer, parse_content_range
 
 __all__ = ["RETRIES", "MAX_GAP", "REQUEST_BYTES", "BATCH_BYTES", "FETCH_AHEAD", "TAIL_BYTES", "DIRECT_BYTES",
            "PLAIN_HTTP", "PRESIGN_SECONDS", "CONNECTIONS", "is_url",
@@ -119,6 +119,13 @@ def _new_threads_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_threads_after_fork)
+
+
+def _strong_etag(info: dict[str, Any]) -> str | None:
+    """The strong ETag in an fsspec ``info`` (``ETag`` over HTTP and S3, ``etag`` elsewhere);
+    None for none or a weak one (``W/"..."``), which ``If-Match`` cannot ask for."""
+    etag = info.get("ETag") or info.get("etag")
+    return etag if isinstance(etag, str) and etag.startswith('"') else None
 
 
 class RemoteError(TensorStoreError, OSError):
@@ -314,8 +321,7 @@ class RemoteSource:
         if "error" in result:
             raise result["error"]
         self.size = int(result["info"]["size"])
-        etag = result["info"].get("ETag") or result["info"].get("etag")
-        self.etag = etag if isinstance(etag, str) and etag.startswith('"') else None  # strong ones only
+        self.etag = _strong_etag(result["info"])
         tail = result.get("tail")
         if tail is not None:
             with self._lock:
@@ -352,12 +358,12 @@ class RemoteSource:
         """``Range: bytes=-TAIL_BYTES`` over fsspec's session; None unless answered 206 with
         the object's last bytes (its ``Content-Range`` ending at its size)."""
         async with await self._http_get(f"bytes=-{TAIL_BYTES}") as r:
-            m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", (r.headers.get("Content-Range") or "").strip())
-            if r.status != 206 or m is None or int(m.group(2)) + 1 != int(m.group(3)) or \
+            named = parse_content_range(r.headers.get("Content-Range"))
+            if r.status != 206 or named is None or named[1] != named[2] or \
                     r.headers.get("Content-Encoding", "identity") not in ("", "identity"):
                 return None  # leaving the block unread closes the connection: no whole object downloaded
             data = await r.read()
-            return data if len(data) == int(m.group(2)) + 1 - int(m.group(1)) else None
+            return data if len(data) == named[1] - named[0] else None
 
     async def _http_get(self, byte_range: str) -> Any:
         """The response (an async context manager) of a GET of the object with ``Range:
@@ -377,10 +383,7 @@ class RemoteSource:
         range is checked (see :func:`tensorstore_h5.httpranges.check_answer`)."""
         if not allow_short and (self._client is not None or self._streams()):
             buf = bytearray(end - start)
-            if self._client is not None:
-                self._get_into(start, memoryview(buf))
-            else:
-                self._call(f"bytes {start}..{end}", lambda: self._stream_ranges([(start, memoryview(buf))]))
+            self.fetch([], [(start, memoryview(buf))])
             return bytes(buf)
         data = self._call(f"bytes {start}..{end}", lambda: self._fs.cat_file(self._key, start=start, end=end))
         with self._lock:
@@ -442,13 +445,13 @@ class RemoteSource:
         if not merged and not direct:
             return []
         what = f"{len(merged) + len(direct)} byte ranges"
-        if self._client is not None:
-            fetched = self._fetch_plain(merged, direct)
-        elif self._streams():  # fsspec's HTTP: our own GETs on its session, whose answers' ranges are checked
-            bufs = [bytearray(b - a) for a, b in merged]
-            into = [(a, memoryview(buf)) for (a, _), buf in zip(merged, bufs)] + list(direct)
-            self._call(what, lambda: self._stream_ranges(into))
-            fetched = bufs
+        if self._client is not None or self._streams():  # GETs whose answers' ranges are checked
+            fetched = [bytearray(b - a) for a, b in merged]
+            into = [(a, memoryview(buf)) for (a, _), buf in zip(merged, fetched)] + list(direct)
+            if self._client is not None:
+                self._fetch_plain(into)
+            else:  # fsspec's HTTP: our own GETs on its session
+                self._call(what, lambda: self._stream_ranges(into))
         else:
             both = merged + [[a, a + len(v)] for a, v in direct]
             fetched = self._call(what, lambda: self._cat_ranges(both))
@@ -457,14 +460,12 @@ class RemoteSource:
             fetched = fetched[:len(merged)]
         return sorted(zip((a for a, _ in merged), fetched))
 
-    def _fetch_plain(self, merged: list[list[int]], direct: list[tuple[int, memoryview]]) -> list[bytearray]:
-        """The ``merged`` ranges' bytes, with ``direct``'s views filled in place, by concurrent
+    def _fetch_plain(self, into: list[tuple[int, memoryview]]) -> None:
+        """Fill each ``(offset, view)`` of ``into`` with the bytes at ``offset`` by concurrent
         requests of the plain-HTTP client (each tried again on its own after a transient
         error). Waits for every request; raises the first failure."""
         workers = _request_threads()
-        bufs = [bytearray(b - a) for a, b in merged]
-        jobs = [(a, memoryview(buf)) for (a, _), buf in zip(merged, bufs)] + list(direct)
-        futures = [workers.submit(self._get_into, a, view) for a, view in jobs]
+        futures = [workers.submit(self._get_into, a, view) for a, view in into]
         done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
         if any(f.exception() is not None for f in done):
             for f in futures:
@@ -473,7 +474,6 @@ class RemoteSource:
         for f in futures:
             if not f.cancelled():
                 f.result()
-        return bufs
 
     def _get_into(self, start: int, view: memoryview) -> None:
         """Fill ``view`` with the bytes at ``start`` by one plain-HTTP request (tried again after
@@ -492,7 +492,7 @@ class RemoteSource:
                     client.url = self._presign()  # expired: signed again (a key without access fails again)
                     client.get_into(start, view, self.size if self.size >= 0 else None, self.etag)
                 except VersionError:
-                    self._after_412(self._call("size", lambda: self._fs.info(self._key)).get("ETag"))
+                    self._after_412(_strong_etag(self._call("size", lambda: self._fs.info(self._key))))
                     client.get_into(start, view, self.size if self.size >= 0 else None, self.etag)
             except RangeAnswerError as e:
                 raise self._answer_error(e) from e
@@ -502,8 +502,8 @@ class RemoteSource:
             self.stats["requests"] += 1
             self.stats["bytes"] += len(view)
 
-    def _after_412(self, etag: Any) -> None:
-        """After a 412 to ``If-Match``, with ``etag`` the object's ETag now: raises VersionError
+    def _after_412(self, etag: str | None) -> None:
+        """After a 412 to ``If-Match``, with ``etag`` the object's strong ETag now: raises VersionError
         where it is no longer the one opened; where it still is, the server's preconditions
         are not to be trusted (servers behind one name whose ETags differ): later requests go
         without ``If-Match``, checked by the object's size alone."""
@@ -555,7 +555,7 @@ class RemoteSource:
                 if again:
                     raise self._answer_error(e) from None
                 try:
-                    self._after_412((await self._fs._info(self._key)).get("ETag"))
+                    self._after_412(_strong_etag(await self._fs._info(self._key)))
                 except VersionError as changed:
                     raise self._answer_error(changed) from None
             except RangeAnswerError as e:

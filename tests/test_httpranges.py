@@ -203,7 +203,7 @@ def test_a_forked_child_does_not_use_its_parents_connections_or_locks(root, serv
                 src.path, src.retries, src.size, src._lock = server.url("blob.bin"), 0, len(blob), __import__("threading").Lock()
                 src.stats, src._client = {"requests": 0, "bytes": 0}, RangeClient(server.url("blob.bin"))
                 src.etag = None
-                src._fetch_plain([], [(5, memoryview(out))])
+                src._fetch_plain([(5, memoryview(out))])
                 os.write(write, b"ok" if idle is None and bytes(out) == blob[5:105] else b"wrong")
             finally:
                 os._exit(0)

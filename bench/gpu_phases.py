@@ -25,7 +25,8 @@ def timed(f):
 
 def child(what: str) -> None:
     import tensorstore_h5 as th5
-    from tensorstore_h5 import io, transfer
+    from tensorstore_h5.storage import memory, parallel
+    from tensorstore_h5 import transfer
 
     th5._import_all()
     torch.cuda.init()
@@ -45,17 +46,17 @@ def child(what: str) -> None:
             print(f"  first pin of {mib} MiB: {s * 1e3:.1f} ms")
         buf = torch.empty(512 << 20, dtype=torch.uint8)
         buf.fill_(0)
-        view = io.tensor_buffer(buf)
+        view = memory.tensor_buffer(buf)
         fd = os.open(PATH, os.O_RDONLY)
         try:
             t0 = time.perf_counter()
-            io.run_jobs([lambda a=a: os.preadv(fd, [view[a:a + (64 << 20)]], a) for a in range(0, 512 << 20, 64 << 20)])
+            parallel.run_jobs([lambda a=a: os.preadv(fd, [view[a:a + (64 << 20)]], a) for a in range(0, 512 << 20, 64 << 20)])
             alone = time.perf_counter() - t0
-            jobs = io.submit_jobs([lambda a=a: os.preadv(fd, [view[a:a + (64 << 20)]], a) for a in range(0, 512 << 20, 64 << 20)])
+            jobs = parallel.submit_jobs([lambda a=a: os.preadv(fd, [view[a:a + (64 << 20)]], a) for a in range(0, 512 << 20, 64 << 20)])
             t0 = time.perf_counter()
             pinned = torch.empty(128 << 20, dtype=torch.uint8, pin_memory=True)
             pin = time.perf_counter() - t0
-            io.wait_all(jobs)
+            parallel.wait_all(jobs)
             both = time.perf_counter() - t0
         finally:
             os.close(fd)
@@ -83,7 +84,7 @@ def child(what: str) -> None:
                 buf = torch.empty(mib, dtype=torch.uint8)
             if how == "empty+threads":
                 step = mib // 8
-                io.run_jobs([lambda a=a: buf[a:a + step].fill_(0) for a in range(0, mib, step)])
+                parallel.run_jobs([lambda a=a: buf[a:a + step].fill_(0) for a in range(0, mib, step)])
             else:
                 buf.fill_(0)
             t1 = time.perf_counter()
@@ -125,7 +126,7 @@ def child(what: str) -> None:
         return
     if what == "threads":
         for t in (2, 4, 8, 16):
-            io.IO_THREADS = t
+            parallel.IO_THREADS = t
             s, _ = timed(lambda: th5.load(PATH, device="cuda"))
             print(f"  IO_THREADS={t}: {s * 1e3:.1f} ms  {n / s / 1e9:.2f} GB/s")
 

@@ -68,7 +68,7 @@ def browser() -> str | None:
 def sample_html(workdir: Path) -> tuple[str, str]:
     """(code, HTML) of the view of a small synthetic training checkpoint (model, optimizer, config)."""
     import tensorstore_h5 as th5
-    from tensorstore_h5.synthetic import checkpoint
+    from tensorstore_h5.bench.synthetic import checkpoint
 
     path = workdir / "ckpt.h5"
     th5.save(checkpoint(layers=2, width=64), path, metadata={"run": "screenshots"})

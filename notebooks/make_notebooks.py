@@ -47,7 +47,7 @@ NOTEBOOKS: dict[str, list[str]] = {
             import pandas as pd
             import matplotlib.pyplot as plt
             import tensorstore_h5 as th5
-            from tensorstore_h5.synthetic import checkpoint
+            from tensorstore_h5.bench.synthetic import checkpoint
 
             tmpdir = tempfile.TemporaryDirectory()   # removed when the kernel stops
             tmp = tmpdir.name
@@ -118,7 +118,7 @@ NOTEBOOKS: dict[str, list[str]] = {
             from safetensors import safe_open
             from safetensors.torch import save_file
             import tensorstore_h5 as th5
-            from tensorstore_h5.synthetic import bench_state_dict
+            from tensorstore_h5.bench.synthetic import bench_state_dict
 
             tmpdir = tempfile.TemporaryDirectory()   # removed when the kernel stops
             tmp = tmpdir.name
@@ -293,8 +293,8 @@ NOTEBOOKS: dict[str, list[str]] = {
             import pandas as pd
             import matplotlib.pyplot as plt
             import tensorstore_h5 as th5
-            from tensorstore_h5.realweights import minilm_path, minilm_state_dict
-            from tensorstore_h5.synthetic import transformer_state_dict
+            from tensorstore_h5.bench.realweights import minilm_path, minilm_state_dict
+            from tensorstore_h5.bench.synthetic import transformer_state_dict
 
             if minilm_path():
                 source = 'MiniLM-L6 layers 0-2 (trained)'
@@ -364,7 +364,7 @@ NOTEBOOKS: dict[str, list[str]] = {
             import matplotlib.pyplot as plt
             from safetensors.torch import save_file, load_file
             import tensorstore_h5 as th5
-            from tensorstore_h5.synthetic import transformer_state_dict
+            from tensorstore_h5.bench.synthetic import transformer_state_dict
 
             device = 'cuda' if torch.cuda.is_available() else 'cpu'
             tmpdir = tempfile.TemporaryDirectory()   # removed when the kernel stops
@@ -445,8 +445,8 @@ NOTEBOOKS: dict[str, list[str]] = {
             from safetensors.torch import save_file
             import tensorstore_h5 as th5
             from tensorstore_h5 import cli
-            from tensorstore_h5.distributed.simulate import save_as_ranks
-            from tensorstore_h5.synthetic import transformer_state_dict
+            from tensorstore_h5.bench.simulate import save_as_ranks
+            from tensorstore_h5.bench.synthetic import transformer_state_dict
 
             tmpdir = tempfile.TemporaryDirectory()   # removed when the kernel stops
             tmp = tmpdir.name
@@ -526,8 +526,8 @@ NOTEBOOKS: dict[str, list[str]] = {
             import pandas as pd
             import matplotlib.pyplot as plt
             import tensorstore_h5 as th5
-            from tensorstore_h5.loopback import RangeServer
-            from tensorstore_h5.synthetic import transformer_state_dict
+            from tensorstore_h5.bench.loopback import RangeServer
+            from tensorstore_h5.bench.synthetic import transformer_state_dict
 
             tmpdir = tempfile.TemporaryDirectory()   # removed when the kernel stops
             tmp = tmpdir.name

@@ -16,26 +16,24 @@ from typing import TYPE_CHECKING, Any
 # Importing the package does not import torch (about 2 s): the command line's --help and usage
 # errors need none of it. The names that need torch are imported on first use (PEP 562), all at
 # once, so after that the package holds exactly what an eager import gave.
+from . import _moved
 from .convert import convert  # imports torch only when called
 from .errors import (
-    FormatError,
-    KeyNotFoundError,
-    MismatchError,
-    TensorStoreError,
-    TensorStoreWarning,
-    UnsupportedTypeError,
+    FormatError, KeyNotFoundError, MismatchError, TensorStoreError, TensorStoreWarning, UnsupportedTypeError,
     WriteError,
 )
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from .api import LoadResult, load, load_into, open
-    from .background import save_async
-    from .compression import PRESETS
-    from .constants import FORMAT_VERSION
+    from .writing.background import save_async
+    from .codecs.presets import PRESETS
+    from .format.constants import FORMAT_VERSION
     from .sharded import ShardedStore
-    from .store import Store, TensorHandle
-    from .tree import escape, unescape
-    from .writer import Writer, save
+    from .reading.store import Store, TensorHandle
+    from .format.tree import escape, unescape
+    from .writing.writer import Writer, save
+
+_moved.install()  # the module paths before the wings (tensorstore_h5.store, .io, ...) still import
 
 __version__ = "0.1.0"
 
@@ -51,13 +49,13 @@ __all__ = [
 def _import_all() -> None:
     """Import the modules that need torch and bind their public names here (idempotent)."""
     from .api import LoadResult, load, load_into, open
-    from .background import save_async
-    from .compression import PRESETS
-    from .constants import FORMAT_VERSION
+    from .writing.background import save_async
+    from .codecs.presets import PRESETS
+    from .format.constants import FORMAT_VERSION
     from .sharded import ShardedStore
-    from .store import Store, TensorHandle
-    from .tree import escape, unescape
-    from .writer import Writer, save
+    from .reading.store import Store, TensorHandle
+    from .format.tree import escape, unescape
+    from .writing.writer import Writer, save
 
     globals().update(LoadResult=LoadResult, load=load, load_into=load_into, save_async=save_async, PRESETS=PRESETS,
                      FORMAT_VERSION=FORMAT_VERSION, Store=Store, ShardedStore=ShardedStore, TensorHandle=TensorHandle,

@@ -9,12 +9,13 @@ from typing import Any, NamedTuple, Union
 
 import torch
 
-from . import io, tree
-from .errors import NAMED_KEYS, MismatchError, few
-from .format import Container, TensorEntry
-from .select import Selector
+from .errors import MismatchError, NAMED_KEYS, few
+from .format import tree
+from .format.layout import Container, TensorEntry
+from .reading.select import Selector
+from .reading.store import Device, Store
 from .sharded import ShardedStore, ShardedTensorEntry
-from .store import Device, Store
+from .storage import memory
 
 __all__ = ["load", "load_into", "LoadResult"]
 
@@ -44,7 +45,7 @@ def open(path: Any, *, storage_options: dict[str, Any] | None = None) -> Store |
 def load(path: Any, *, select: Selector = None, device: Device = None, progress: bool | None = None,
          mmap: bool = False, verify: bool = False, storage_options: dict[str, Any] | None = None) -> Any:
     """Load a file (or the selected part of it) back into its saved nesting. Python's cyclic
-    garbage collector is paused while the tensors are built (:func:`tensorstore_h5.io.gc_paused`).
+    garbage collector is paused while the tensors are built (:func:`tensorstore_h5.storage.memory.gc_paused`).
 
     Example::
 
@@ -73,7 +74,7 @@ def load(path: Any, *, select: Selector = None, device: Device = None, progress:
     if _is_directory(path):  # a checkpoint directory (docs/DISTRIBUTED.md)
         if mmap:
             raise ValueError(f"{os.fspath(path)}: mmap=True maps one file; a checkpoint directory is read into memory")
-        with ShardedStore(path) as sharded, io.gc_paused():
+        with ShardedStore(path) as sharded, memory.gc_paused():
             return sharded.load(select=select, device=device, progress=progress, verify=verify)
     with Store(path, storage_options=storage_options) as store:
         return store.load(select=select, device=device, progress=progress, mmap=mmap, verify=verify)
@@ -168,7 +169,7 @@ def load_into(
     global tensor, assembled from the pieces). The stored key path of a target tensor
     is ``prefix`` + its key path (``prefix="model/"`` for a file saved as ``{"model": sd}``).
     Everything is checked before anything is written. Python's cyclic garbage collector is
-    paused meanwhile (:func:`tensorstore_h5.io.gc_paused`).
+    paused meanwhile (:func:`tensorstore_h5.storage.memory.gc_paused`).
 
     - A stored tensor of another dtype is cast into the target, as ``copy_`` does (unless
       ``strict_dtype``); shapes must match.
@@ -210,7 +211,7 @@ def load_into(
     """
     if device is not None and not assign:
         raise ValueError("device= says where assign=True puts new tensors; without assign, targets keep their memory")
-    with io.gc_paused():  # many new objects, none in a cycle
+    with memory.gc_paused():  # many new objects, none in a cycle
         return _load_into(target, path, select, prefix, strict, assign, device, strict_dtype, progress, verify,
                           storage_options)
 

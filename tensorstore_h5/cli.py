@@ -14,10 +14,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .constants import FORMAT_VERSION, PRESET_NAMES
 from .convert import SUFFIXES, format_of
 from .display import AUTO_PROGRESS_BYTES, human_bytes
 from .errors import KeyNotFoundError, TensorStoreError
+from .format.constants import FORMAT_VERSION, PRESET_NAMES
 
 __all__ = ["main", "build_parser"]
 
@@ -40,7 +40,7 @@ def _open(path: str) -> Any:
         if is_checkpoint_directory(path):
             return ShardedStore(path)
         raise _not_a_checkpoint(path)
-    from .store import Store
+    from .reading.store import Store
 
     return Store(path)
 
@@ -63,7 +63,7 @@ def _foreign_shape(store: Any, entry: Any) -> tuple[list[int] | None, str | None
     try:
         import h5py
 
-        ds = store._file[entry.dataset]
+        ds = store._reader._file[entry.dataset]
         shape, dtype = ds.shape, ds.dtype
     except Exception:  # noqa: BLE001 - a listing never fails on what it only describes
         return None, None
@@ -85,7 +85,7 @@ def _foreign_shape(store: Any, entry: Any) -> tuple[list[int] | None, str | None
 def _leaf_info(store: Any, key: str) -> dict[str, Any]:
     """One row of ``ls``: ``key``, ``kind`` (tensor, ndarray, value, unsupported) and what
     describes that kind."""
-    from .format import ArrayEntry, ForeignEntry, TensorEntry
+    from .format.layout import ArrayEntry, ForeignEntry, TensorEntry
 
     entry = store._entry(key)
     if isinstance(entry, TensorEntry):
@@ -164,7 +164,7 @@ def _info_dir(args: argparse.Namespace, store: Any) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .format import ForeignEntry, TensorEntry
+    from .format.layout import ForeignEntry, TensorEntry
 
     with _open(args.file) as store:
         if hasattr(store, "leaf_info"):
@@ -201,9 +201,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     import torch
 
-    from . import api, writer
-    from .store import Store, TensorHandle
-    from .synthetic import checkpoint, transformer_state_dict
+    from . import api
+    from .writing import writer
+    from .reading.store import Store, TensorHandle
+    from .bench.synthetic import checkpoint, transformer_state_dict
 
     ckpt = checkpoint(layers=args.layers, width=args.width)
     model = ckpt["model"]
@@ -246,8 +247,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """Read every byte of every leaf, checking checksums (format 2), and check the layout
     against the HDF5 metadata; report the problems."""
     from .display import Progress
-    from .format import ArrayEntry, ForeignEntry, TensorEntry
-    from .hdf5source import verify_layout
+    from .format.layout import ArrayEntry, ForeignEntry, TensorEntry
+    from .storage.libhdf5 import verify_layout
 
     with _open(args.file) as store:
         if hasattr(store, "leaf_info"):  # a checkpoint directory: every piece, its file and its checksums
@@ -275,9 +276,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 bar.update(sizes.get(key, 0))
         finally:
             bar.close()
-        remote_source = None if store._local else store._rawfile()  # a URL or file object: h5py reads through it
+        remote_source = None if store._reader.local else store._reader.rawfile()  # a URL or file object: h5py reads through it
         if remote_source is not None and store.format_version == 2:  # HDF5's metadata lies after the data and in
-            ends = [o + n for e in entries.values() for o, n in store._ranges(e)]  # the first block: fetched at once,
+            ends = [o + n for e in entries.values() for o, n in store._reader.ranges(e)]  # the first block: fetched at once,
             start = max(ends, default=0)                                           # not by one request per read
             remote_source.prefetch([(0, 4096), (start, max(0, remote_source.size - start))])
         problems = list(verify_layout(store.path, store._layout, remote_source)) if store.format_version == 2 else []
@@ -296,7 +297,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from . import store, writer  # noqa: F401 - imported before the clock starts
+    from .reading import store  # noqa: F401 - imported before the clock starts
+    from .writing import writer  # noqa: F401
     from .convert import convert
 
     options: dict[str, Any] = {}
@@ -334,9 +336,9 @@ def _check_convert(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from . import bench
+    from .bench.runner import run_args
 
-    return bench.run_args(args)
+    return run_args(args)
 
 
 # ---------------------------------------------------------------------------- parser
@@ -385,7 +387,7 @@ def _at_least_one(text: str) -> int:
 
 
 def _bench_arguments(p: argparse.ArgumentParser) -> None:
-    from .bench_args import add_arguments
+    from .bench.args import add_arguments
 
     add_arguments(p)
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Union
 from .errors import FormatError, KeyNotFoundError, TensorStoreError, UnsupportedTypeError, WriteError
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .reading.store import Store
 
 __all__ = ["convert", "format_of", "SUFFIXES"]
 
@@ -122,8 +122,8 @@ def _nothing_selected(src: str, select: Any) -> KeyNotFoundError:
 
 
 def _h5_to_h5(src: str, dst: str, select: Any, progress: bool | None, options: dict[str, Any]) -> None:
-    from .store import Store
-    from .writer import Writer, few_links
+    from .reading.store import Store
+    from .writing.writer import Writer, few_links
 
     with Store(src) as store:
         if select is not None and not store.selected_keys(select):
@@ -149,9 +149,9 @@ def _safetensors_sizes(path: str) -> dict[str, int]:
 def _from_safetensors(src: str, dst: str, select: Any, progress: bool | None, options: dict[str, Any]) -> None:
     from safetensors import safe_open
 
-    from .select import resolve
-    from .tree import escape
-    from .writer import Writer, few_links
+    from .reading.select import resolve
+    from .format.tree import escape
+    from .writing.writer import Writer, few_links
 
     try:
         f = safe_open(src, framework="pt")
@@ -178,7 +178,7 @@ def _from_safetensors(src: str, dst: str, select: Any, progress: bool | None, op
 def _from_torch(src: str, dst: str, progress: bool | None, options: dict[str, Any]) -> None:
     import torch
 
-    from .writer import save
+    from .writing.writer import save
 
     with open(src, "rb") as f:
         zipped = f.read(4) == b"PK\x03\x04"  # only the zip format can be mapped
@@ -191,7 +191,7 @@ def _from_torch(src: str, dst: str, progress: bool | None, options: dict[str, An
 
 
 def _what(entry: Any) -> str:
-    from .format import ArrayEntry, ForeignEntry, ValueEntry
+    from .format.layout import ArrayEntry, ForeignEntry, ValueEntry
 
     if isinstance(entry, ArrayEntry):
         return f"a numpy array ({entry.dtype})"
@@ -205,7 +205,7 @@ def _what(entry: Any) -> str:
 def _safetensors_header(store: Store, keys: list[str], metadata: Any) -> tuple[bytes, list[tuple[str, int]]]:
     """The header of the safetensors file holding ``keys`` (checked: tensors of dtypes that
     safetensors holds) and ``[(key, nbytes)]`` in the order of the data."""
-    from .format import TensorEntry
+    from .format.layout import TensorEntry
 
     header: dict[str, Any] = {}
     if metadata:
@@ -238,9 +238,9 @@ def _write_error(dst: str, e: OSError) -> WriteError:
 
 def _to_safetensors(src: str, dst: str, select: Any, progress: bool | None, metadata: Any) -> None:
     from .display import Progress
-    from .dtypes import bits_view
-    from .io import tensor_bytes
-    from .store import Store
+    from .format.dtypes import bits_view
+    from .storage.memory import tensor_bytes
+    from .reading.store import Store
 
     with Store(src) as store:
         keys = store.selected_keys(select)

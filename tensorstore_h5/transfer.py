@@ -1,5 +1,7 @@
-"""Staged copies into device tensors: a few reusable (pinned, on CUDA) host buffers, the read
-of block i+1 overlapping the host-to-device copy of block i on a side stream.
+"""Device transfer: where each loaded tensor goes (``device=`` as given to a load, checked per
+key), and staged copies into device tensors: a few reusable (pinned, on CUDA) host buffers,
+the read of block i+1 overlapping the host-to-device copy of block i on a side stream;
+GPUDirect Storage through kvikio where it is available.
 
 The same pipeline runs against CPU targets (plain buffers, synchronous copies), which is how
 the CPU test suite covers its block boundaries, ordering and buffer reuse.
@@ -10,20 +12,28 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import fnmatch
 import functools
 import mmap
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Union
 
 import torch
 
-from . import io
 from .errors import TensorStoreError
+from .storage import parallel
 
-__all__ = ["STAGING_BUFFERS", "STAGING_BYTES", "PIN_BY_REGISTER", "GDS", "Fill", "Stager", "Stagers", "batched", "device_empty", "gds_read"]
+__all__ = [
+    "STAGING_BUFFERS", "STAGING_BYTES", "PIN_BY_REGISTER", "GDS", "Device", "Fill", "Stager", "Stagers", "asked_once",
+    "device_for", "target_device", "check_available", "staged", "gds_device", "batched", "device_empty", "gds_read",
+]
+
+Device = Union[None, str, int, torch.device, Mapping[str, Any], Callable[[str], Any]]
+"""What ``device=`` of a load takes: None (the CPU), a device, or a mapping (exact keys or
+globs) / callable from key path to device."""
 
 STAGING_BUFFERS = 2
 """Number of host staging buffers (made on first use). With many tensors packed per buffer,
@@ -185,7 +195,7 @@ class Stager:
         """Fill many contiguous tensors (``(dest, fill)`` pairs, ``fill`` as in :meth:`copy`)
         by packing their bytes into the staging buffers in order: a buffer holds the next
         bytes of one or more tensors, read on the I/O thread pool (each tensor's part in
-        pieces of at most max(:data:`io.SPLIT_MIN_BYTES`, buffer size / :data:`io.IO_THREADS`)).
+        pieces of at most max(:data:`parallel.SPLIT_MIN_BYTES`, buffer size / :data:`parallel.IO_THREADS`)).
 
         The reads of every buffer but one are in flight at once: when all buffers are busy,
         the oldest one's reads are waited for, its copies to the device go out, and once
@@ -194,7 +204,7 @@ class Stager:
         reading. ``done(dest)``: called when the last copy into ``dest`` has been issued (not
         finished). Raises what a ``fill`` raises (once every read in flight has ended), or
         TensorStoreError when the device runs out of memory."""
-        piece = max(io.SPLIT_MIN_BYTES, self.block_bytes // max(1, io.IO_THREADS))
+        piece = max(parallel.SPLIT_MIN_BYTES, self.block_bytes // max(1, parallel.IO_THREADS))
         size = self.block_bytes
         queued: list[tuple[torch.Tensor, torch.Tensor, Fill, int, int, int]] = []  # dest, flat, fill, start, at, n
         inflight: collections.deque[tuple[int, torch.Tensor, list[Future[None]], list[Any]]] = collections.deque()
@@ -203,7 +213,7 @@ class Stager:
 
         def complete_oldest() -> None:
             slot, buf, futures, filled = inflight.popleft()
-            io.wait_all(futures)
+            parallel.wait_all(futures)
             self._send(slot, [(flat[start:start + n], buf[at:at + n]) for _, flat, _, start, at, n in filled])
             if done is not None:
                 for dest, flat, _, start, _, n in filled:
@@ -220,7 +230,7 @@ class Stager:
             buf = self._acquire(slot, used)
             jobs = [functools.partial(fill, start + a, buf[at + a:at + min(n, a + piece)])
                     for _, _, fill, start, at, n in queued for a in range(0, n, piece)]
-            inflight.append((slot, buf, io.submit_jobs(jobs), queued))
+            inflight.append((slot, buf, parallel.submit_jobs(jobs), queued))
             queued, used, blocks = [], 0, blocks + 1
 
         with self._oom("a batch of keys"), self._joined():
@@ -317,6 +327,70 @@ class Stager:
         """The (offset, size) blocks that :meth:`copy` uses for a tensor of ``nbytes`` bytes."""
         block = self.block_size(align)
         return [(s, min(block, nbytes - s)) for s in range(0, nbytes, block)]
+
+
+def asked_once(device: Device) -> Device:
+    """``device``, a callable called at most once per key path (a load looks a key's device up
+    twice); any other ``device`` as it is."""
+    if not callable(device) or isinstance(device, (str, torch.device)):
+        return device
+    chosen: dict[str, Any] = {}
+
+    def ask(path: str) -> Any:
+        if path not in chosen:
+            chosen[path] = device(path)
+        return chosen[path]
+    return ask
+
+
+def device_for(device: Device, path: str) -> Any:
+    """What ``device`` names for the key ``path``, unchecked (None: nothing, the CPU)."""
+    if device is None or isinstance(device, (str, torch.device, int)):
+        return device
+    if callable(device):
+        return device(path)
+    for pattern, dev in device.items():
+        if path == pattern or fnmatch.fnmatchcase(path, pattern):
+            return dev
+    return None
+
+
+def target_device(device: Device, key: str, file: str, available: bool = True) -> torch.device | None:
+    """The device the leaf ``key`` of ``file`` goes to: None for the CPU (any spelling), else a
+    device. Raises TensorStoreError naming the file, the key and the device for an invalid
+    device, the meta device, and (``available``) a CUDA device this torch cannot use."""
+    dev = device_for(device, key)
+    if dev is None:
+        return None
+    try:
+        d = torch.device(dev)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise TensorStoreError(f"{file}: key {key!r}: invalid device {dev!r} ({e})") from e
+    if d.type == "cpu":
+        return None
+    if d.type == "meta":
+        raise TensorStoreError(f"{file}: key {key!r}: cannot load data onto the meta device")
+    if available:
+        check_available(d, key, file)
+    return d
+
+
+def check_available(device: torch.device, key: str, file: str) -> None:
+    """Raise TensorStoreError naming the file, the key and ``device`` when it is a CUDA device
+    that this torch cannot use."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TensorStoreError(f"{file}: key {key!r}: device {str(device)!r} is not available (this torch has no "
+                               "usable CUDA device)")
+
+
+def staged(device: torch.device) -> bool:
+    """True for devices whose tensors a load fills through staging buffers (not the CPU)."""
+    return device.type != "cpu"
+
+
+def gds_device(device: torch.device) -> bool:
+    """True for devices that GPUDirect Storage can fill (CUDA)."""
+    return device.type == "cuda"
 
 
 class Stagers(dict):  # type: ignore[type-arg]  # torch.device -> Stager

@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorstore_h5.dtypes import REGISTRY, bits_view
-from tensorstore_h5.io import tensor_bytes
-from tensorstore_h5.slicing import has_gaps
+from tensorstore_h5.format.dtypes import REGISTRY, bits_view
+from tensorstore_h5.format.slicing import has_gaps
+from tensorstore_h5.storage.memory import tensor_bytes
 
 ALL_DTYPES = sorted(REGISTRY, key=str)
 

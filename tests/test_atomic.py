@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tensorstore_h5 as th5
-from tensorstore_h5.writer import sweep_partials
+from tensorstore_h5.writing.writer import sweep_partials
 
 SAVER = textwrap.dedent("""
     import sys, time, torch, tensorstore_h5 as th5

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tensorstore_h5 as th5
-from tensorstore_h5 import background
-from tensorstore_h5.background import save_async
+from tensorstore_h5.writing import background
+from tensorstore_h5.writing.background import save_async
 
 from helpers import assert_same
 

@@ -6,22 +6,22 @@ import os
 
 import pytest
 
-from tensorstore_h5 import bench
+from tensorstore_h5.bench import contenders, measure, runner
 
 
 def test_a_contender_that_cannot_run_is_listed_as_skipped(tmp_path, monkeypatch) -> None:
     def missing(ctx):
-        bench._peer("no_such_peer_module", "no-such-peer")
+        measure.peer("no_such_peer_module", "no-such-peer")
 
-    monkeypatch.setitem(bench.CONTENDERS, "R.no such peer", ("read", missing))
-    out = bench.worker("R.no such peer", bench.Ctx(str(tmp_path), 1000, 4))
+    monkeypatch.setitem(contenders.CONTENDERS, "R.no such peer", ("read", missing))
+    out = runner.worker("R.no such peer", contenders.Ctx(str(tmp_path), 1000, 4))
     assert out == {"name": "R.no such peer", "skip": "no_such_peer_module is not installed (pip install no-such-peer)"}
 
 
 def test_cold_and_gpu_groups_are_opt_in() -> None:
-    assert all(n.startswith("C.") and n in bench.CONTENDERS for n in bench.COLD_ORDER)
-    assert not any(n.startswith(("C.", "G.")) for n in bench.ORDER)
-    assert all(bench.CONTENDERS[n][0] == "cold" for n in bench.COLD_ORDER)
+    assert all(n.startswith("C.") and n in contenders.CONTENDERS for n in runner.COLD_ORDER)
+    assert not any(n.startswith(("C.", "G.")) for n in runner.ORDER)
+    assert all(contenders.CONTENDERS[n][0] == "cold" for n in runner.COLD_ORDER)
 
 
 def test_cold_contenders_skip_without_root(tmp_path, monkeypatch) -> None:
@@ -36,7 +36,7 @@ def test_cold_contenders_skip_without_root(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(builtins, "open", no_root)
     (tmp_path / "ckpt.h5").write_bytes(b"x" * 100)
-    out = bench.worker("C.L.buffered reads of the file, 2 threads (cold)", bench.Ctx(str(tmp_path), 1000, 4))
+    out = runner.worker("C.L.buffered reads of the file, 2 threads (cold)", contenders.Ctx(str(tmp_path), 1000, 4))
     assert "skip" in out and "run as root" in out["skip"]
 
 
@@ -51,7 +51,7 @@ def test_new_ratios_are_printed_with_their_targets() -> None:
             _row("C.torch.load(mmap) + touch (cold)", 2.5), _row("C.safetensors load_file + touch (cold)", 1.6),
             _row("C.L.O_DIRECT reads of the file, 2 threads (cold)", 1.8)]
     lines: list[str] = []
-    bench._ratios(rows, lines.append)
+    runner._ratios(rows, lines.append)
     text = "\n".join(lines)
     assert "load vs tensorizer (>= 1)" in text and " 2.00" in text
     assert "time: load(verify=True) / load (the cost of checking)" in text and " 1.10" in text
@@ -64,13 +64,13 @@ def test_new_ratios_are_printed_with_their_targets() -> None:
 def test_the_disk_limit_reads_every_byte(tmp_path, direct) -> None:
     path = tmp_path / "f.bin"
     path.write_bytes(bytes(range(256)) * 4096 * 5)  # 5 MiB: a partial last piece
-    assert bench._read_file(str(path), direct, threads=2, piece=2 << 20) == 5 * 2**20
+    assert measure.read_file(str(path), direct, threads=2, piece=2 << 20) == 5 * 2**20
 
 
 def test_past_ram_measures_every_operation_on_a_key_by_key_file(tmp_path) -> None:
     import os
 
-    from tensorstore_h5 import bench_past_ram
+    from tensorstore_h5.bench import past_ram as bench_past_ram
 
     if os.geteuid() != 0:
         pytest.skip("drops the page cache: needs root")
@@ -95,12 +95,12 @@ def test_the_package_is_imported_before_the_timed_operation(tmp_path) -> None:
 
     script = (
         "import json, sys\n"
-        "from tensorstore_h5 import bench\n"
+        "from tensorstore_h5.bench import contenders, measure, runner\n"
         "seen = {}\n"
         "def setup(ctx):\n"
         "    return (lambda: seen.setdefault('api', 'tensorstore_h5.api' in sys.modules)), 0\n"
-        "bench.CONTENDERS['X.probe'] = ('keys', setup)\n"
-        f"bench.worker('X.probe', bench.Ctx({str(tmp_path)!r}, 0, 0))\n"
+        "contenders.CONTENDERS['X.probe'] = ('keys', setup)\n"
+        f"runner.worker('X.probe', contenders.Ctx({str(tmp_path)!r}, 0, 0))\n"
         "print(json.dumps(seen))\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
@@ -111,7 +111,7 @@ def test_a_warm_contender_finds_its_files_in_the_page_cache(tmp_path) -> None:
     """A contender of a warm group reads its declared files once before the timed run: a file
     dropped from the page cache is cached again when the operation starts (RWF_NOWAIT reads
     of its first and last bytes succeed); a writer's files are left as they are."""
-    from tensorstore_h5 import bench
+    from tensorstore_h5.bench import contenders, runner
 
     if not hasattr(os, "RWF_NOWAIT") or not hasattr(os, "posix_fadvise"):
         pytest.skip("needs RWF_NOWAIT and posix_fadvise")
@@ -138,25 +138,25 @@ def test_a_warm_contender_finds_its_files_in_the_page_cache(tmp_path) -> None:
     seen = {}
     for group in ("read", "write"):
         probe = (lambda ctx, g=group: ((lambda: seen.setdefault(g, cached())), 0))
-        bench.contender(f"X.{group}", group, reads=("in.bin",))(probe)
+        contenders.contender(f"X.{group}", group, reads=("in.bin",))(probe)
     try:
         dropped()
         if cached():
             pytest.skip("this file system keeps the file cached despite POSIX_FADV_DONTNEED")
-        bench.worker("X.read", bench.Ctx(str(tmp_path), 0, 0))
+        runner.worker("X.read", contenders.Ctx(str(tmp_path), 0, 0))
         dropped()
-        bench.worker("X.write", bench.Ctx(str(tmp_path), 0, 0))
+        runner.worker("X.write", contenders.Ctx(str(tmp_path), 0, 0))
     finally:
         for group in ("read", "write"):
-            bench.CONTENDERS.pop(f"X.{group}")
-            bench.READS.pop(f"X.{group}")
+            contenders.CONTENDERS.pop(f"X.{group}")
+            contenders.READS.pop(f"X.{group}")
     assert seen == {"read": True, "write": False}
 
 
 def test_remote_bench_measures_every_operation_and_counts_bytes_on_the_server() -> None:
     pytest.importorskip("fsspec")
     pytest.importorskip("aiohttp")
-    from tensorstore_h5 import bench_remote
+    from tensorstore_h5.bench import remote as bench_remote
 
     lines: list[str] = []
     rows = bench_remote.run(0.02, keys=20, repeat=2, latencies=(0.0,), echo=lines.append)

@@ -66,10 +66,10 @@ def test_bench_runs_a_small_selection(tmp_path) -> None:
 
 
 def test_bench_gpu_contenders_are_opt_in() -> None:
-    from tensorstore_h5 import bench
+    from tensorstore_h5.bench import contenders, runner
 
-    assert all(n.startswith("G.") and n in bench.CONTENDERS for n in bench.GPU_ORDER)
-    assert not any(n.startswith("G.") for n in bench.ORDER)  # a plain bench never needs CUDA
+    assert all(n.startswith("G.") and n in contenders.CONTENDERS for n in runner.GPU_ORDER)
+    assert not any(n.startswith("G.") for n in runner.ORDER)  # a plain bench never needs CUDA
     if torch.cuda.is_available():
         return
     r = run("bench", "--gpu", "--only", "G.", "--size-gb", "0.001", "--repeat", "1")
@@ -77,7 +77,7 @@ def test_bench_gpu_contenders_are_opt_in() -> None:
 
 
 def test_bench_ratios_use_the_better_fresh_memory_limit() -> None:
-    from tensorstore_h5 import bench
+    from tensorstore_h5.bench import runner
 
     def row(name: str, seconds: float, nbytes: int = 10**9) -> dict:
         return {"name": name, "best_s": seconds, "median_s": 2 * seconds, "bytes": nbytes, "peak_mib": 0}
@@ -86,63 +86,63 @@ def test_bench_ratios_use_the_better_fresh_memory_limit() -> None:
             row("R.tensorstore_h5 load", 0.4), row("R.tensorstore_h5 load (io.HUGEPAGES = True)", 0.8),
             row("R.tensorstore_h5 select 1% of keys", 0.02, 25 * 10**6)]
     lines: list[str] = []
-    bench._ratios(rows, lines.append)
+    runner._ratios(rows, lines.append)
     got = {line.rsplit(None, 2)[0].strip(): tuple(map(float, line.rsplit(None, 2)[1:])) for line in lines if line.startswith("  ")}
     assert got["load (default) / best raw readinto fresh (target >= 0.9)"] == (0.62, 0.62)  # 0.25 / 0.4, against huge pages
     assert got["load (better of 4 KiB / huge pages) / best raw readinto fresh"] == (0.62, 0.62)
     assert got["time: select 1% of keys / full load (<= 0.02; 2.5% of the bytes)"] == (0.05, 0.05)  # 0.02 / 0.4
     rows[2]["median_s"] = 0.4  # the medians' ratio is its own: 0.5 / 0.4
     lines.clear()
-    bench._ratios(rows, lines.append)
+    runner._ratios(rows, lines.append)
     assert any(line.split()[-2:] == ["0.62", "1.25"] for line in lines if line.strip().startswith("load (default)"))
     gpu = [row("G.L.file read into pinned memory, I/O threads", 0.5), row("G.L.pinned host-to-device copy", 0.2),
            row("G.tensorstore_h5 load(device=cuda)", 0.625)]
     gpu[1]["median_s"] = 2.0  # the slower stage bounds each statistic on its own: best 0.5 s, median 2.0 s
     lines.clear()
-    bench._ratios(gpu, lines.append)
+    runner._ratios(gpu, lines.append)
     assert any(line.split()[-2:] == ["0.80", "1.60"] for line in lines if "load(device=cuda) / min(read pinned, H2D)" in line)
 
 
 def test_bench_detects_free_page_reporting(tmp_path, monkeypatch) -> None:
     import glob
 
-    from tensorstore_h5 import bench
+    from tensorstore_h5.bench import measure
 
     features = tmp_path / "features"
     monkeypatch.setattr(glob, "glob", lambda pattern: [str(features)] if "virtio_balloon" in pattern else [])
     features.write_text("01100101" + "0" * 56 + "\n")  # bit 5: VIRTIO_BALLOON_F_REPORTING
-    assert bench.reports_free_pages() and bench.settle_seconds() == 3.0
+    assert measure.reports_free_pages() and measure.settle_seconds() == 3.0
     features.write_text("01100001" + "0" * 56 + "\n")  # a balloon without reporting
-    assert not bench.reports_free_pages() and bench.settle_seconds() == 0.0
+    assert not measure.reports_free_pages() and measure.settle_seconds() == 0.0
     features.unlink()  # no balloon at all
-    assert not bench.reports_free_pages()
+    assert not measure.reports_free_pages()
 
 
 def test_bench_worker_waits_before_timing_not_inside_it(monkeypatch) -> None:
     import time
 
-    from tensorstore_h5 import bench
+    from tensorstore_h5.bench import contenders, runner
 
-    monkeypatch.setitem(bench.CONTENDERS, "R.test no-op", ("read", lambda ctx: ((lambda: None), 1)))
+    monkeypatch.setitem(contenders.CONTENDERS, "R.test no-op", ("read", lambda ctx: ((lambda: None), 1)))
     t0 = time.time()
-    result = bench.worker("R.test no-op", bench.Ctx("/nonexistent", 1, 1), not_before=t0 + 0.3)
+    result = runner.worker("R.test no-op", contenders.Ctx("/nonexistent", 1, 1), not_before=t0 + 0.3)
     assert time.time() - t0 >= 0.3 and result["seconds"] < 0.05
 
 
 def test_bench_settles_reads_and_writes_not_touched_memory(monkeypatch) -> None:
     import time
 
-    from tensorstore_h5 import bench
+    from tensorstore_h5.bench import contenders, runner
 
     calls: list[tuple[str, float, float]] = []
 
-    def fake(name: str, ctx: bench.Ctx, not_before: float = 0.0, settle: float = 0.0, profile: int = 0) -> dict:
+    def fake(name: str, ctx: contenders.Ctx, not_before: float = 0.0, settle: float = 0.0, profile: int = 0) -> dict:
         calls.append((name, not_before, time.time()))
         return {"name": name, "seconds": 0.1, "bytes": 10**9, "peak_bytes": 0}
 
-    monkeypatch.setattr(bench, "_run_worker", fake)
+    monkeypatch.setattr(runner, "_run_worker", fake)
     names = ["L.write raw bytes", "L.readinto fresh, 2 threads", "L.readinto touched, 2 threads", "R.tensorstore_h5 load"]
-    bench.run(size_gb=0.001, repeat=1, only=",".join(names), echo=lambda line: None, settle=2.5)
+    runner.run(size_gb=0.001, repeat=1, only=",".join(names), echo=lambda line: None, settle=2.5)
     timed = [c for c in calls if c[0] in names][-len(names):]  # after the untimed set-up runs
     assert [c[0] for c in timed] == names
     waits = {name: not_before - (timed[i - 1][2] if i else 0) for i, (name, not_before, _) in enumerate(timed)}
@@ -151,56 +151,57 @@ def test_bench_settles_reads_and_writes_not_touched_memory(monkeypatch) -> None:
         assert 2.5 <= waits[name] < 2.6 or name == names[0], (name, waits)
     assert timed[0][1] >= calls[-len(names) - 1][2] + 2.5 - 1e-3  # the writer: after the last set-up run exited
     calls.clear()
-    bench.run(size_gb=0.001, repeat=1, only="L.readinto fresh, 2 threads", echo=lambda line: None, settle=0)
+    runner.run(size_gb=0.001, repeat=1, only="L.readinto fresh, 2 threads", echo=lambda line: None, settle=0)
     assert calls[-1][1] <= calls[-1][2]  # --settle 0: nothing to wait for
 
 
 def test_bench_worker_settles_after_its_own_set_up_removed_a_file(tmp_path, monkeypatch) -> None:
     import time
 
-    from tensorstore_h5 import bench
+    from tensorstore_h5.bench import contenders, measure, runner
 
     old = tmp_path / "out.bin"
 
-    def setup(ctx: bench.Ctx) -> bench.Timed:
+    def setup(ctx: contenders.Ctx) -> contenders.Timed:
         old.write_bytes(b"x")
-        path = bench._fresh(str(old))  # frees the old output's pages now
+        path = measure.fresh(str(old))  # frees the old output's pages now
         return (lambda: open(path, "wb").close()), 1
 
     for group, waits in (("write", True), ("touched", False)):
-        monkeypatch.setitem(bench.CONTENDERS, f"X.{group}", (group, setup))
+        monkeypatch.setitem(contenders.CONTENDERS, f"X.{group}", (group, setup))
         t0 = time.time()
-        result = bench.worker(f"X.{group}", bench.Ctx(str(tmp_path), 1, 1), not_before=0.0, settle=0.4)
+        result = runner.worker(f"X.{group}", contenders.Ctx(str(tmp_path), 1, 1), not_before=0.0, settle=0.4)
         assert (time.time() - t0 >= 0.4) is waits and result["seconds"] < 0.2, group
-    monkeypatch.setitem(bench.CONTENDERS, "X.nothing to remove", ("write", lambda ctx: ((lambda: None), 1)))
+    monkeypatch.setitem(contenders.CONTENDERS, "X.nothing to remove", ("write", lambda ctx: ((lambda: None), 1)))
     t0 = time.time()
-    bench.worker("X.nothing to remove", bench.Ctx(str(tmp_path), 1, 1), settle=5.0)
+    runner.worker("X.nothing to remove", contenders.Ctx(str(tmp_path), 1, 1), settle=5.0)
     assert time.time() - t0 < 2.0  # nothing freed in its set-up: only not_before counts
 
 
 def test_bench_profile_names_where_the_time_goes(monkeypatch) -> None:
-    from tensorstore_h5 import bench
+    from tensorstore_h5.bench import contenders, runner
 
     def slow_part() -> None:
         sum(range(200_000))
 
-    def setup(ctx: bench.Ctx) -> bench.Timed:
+    def setup(ctx: contenders.Ctx) -> contenders.Timed:
         return (lambda: [slow_part() for _ in range(3)]), 1
 
-    monkeypatch.setitem(bench.CONTENDERS, "X.profiled", ("touched", setup))
-    result = bench.worker("X.profiled", bench.Ctx("/nonexistent", 1, 1), profile=5)
+    monkeypatch.setitem(contenders.CONTENDERS, "X.profiled", ("touched", setup))
+    result = runner.worker("X.profiled", contenders.Ctx("/nonexistent", 1, 1), profile=5)
     lines = result["profile"].splitlines()
     assert lines[0].split()[:3] == ["own", "ms", "cum"] and len(lines) <= 6
     mine = [line for line in lines if "slow_part" in line]
     assert mine and mine[0].split()[2] == "3"  # called three times
-    assert "profile" not in bench.worker("X.profiled", bench.Ctx("/nonexistent", 1, 1))
+    assert "profile" not in runner.worker("X.profiled", contenders.Ctx("/nonexistent", 1, 1))
 
 
 def test_bench_cli_passes_settle_and_profile(monkeypatch) -> None:
-    from tensorstore_h5 import bench, cli
+    from tensorstore_h5 import cli
+    from tensorstore_h5.bench import runner
 
     seen: dict = {}
-    monkeypatch.setattr(bench, "run", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(runner, "run", lambda *a, **kw: seen.update(kw))
     assert cli.main(["bench", "--only", "K.", "--settle", "0", "--profile", "7"]) == 0
     assert seen["settle"] == 0.0 and seen["profile"] == 7
     assert cli.main(["bench", "--only", "K."]) == 0
@@ -210,11 +211,11 @@ def test_bench_cli_passes_settle_and_profile(monkeypatch) -> None:
 def test_bench_writers_start_with_the_page_cache_flushed(monkeypatch) -> None:
     import os
 
-    from tensorstore_h5 import bench
+    from tensorstore_h5.bench import contenders, runner
 
     synced: list[str] = []
     monkeypatch.setattr(os, "sync", lambda: synced.append("sync"))
     for group in ("write", "replace", "read"):
-        monkeypatch.setitem(bench.CONTENDERS, f"X.{group}", (group, lambda ctx: ((lambda: synced.append("op")), 1)))
-        bench.worker(f"X.{group}", bench.Ctx("/nonexistent", 1, 1))
+        monkeypatch.setitem(contenders.CONTENDERS, f"X.{group}", (group, lambda ctx: ((lambda: synced.append("op")), 1)))
+        runner.worker(f"X.{group}", contenders.Ctx("/nonexistent", 1, 1))
     assert synced == ["sync", "op", "sync", "op", "op"]

@@ -43,7 +43,7 @@ def test_help_does_not_import_torch(args) -> None:
 def test_help_lists_the_commands_and_the_constants_of_the_format() -> None:
     r, _ = run_command("--help")
     assert all(c in r.stdout for c in ("demo", "ls", "info", "convert", "bench", "verify"))
-    from tensorstore_h5.format import FORMAT_VERSION
+    from tensorstore_h5.format.constants import FORMAT_VERSION
 
     assert f"format v{FORMAT_VERSION}" in r.stdout
     r, _ = run_command("convert", "--help")
@@ -79,8 +79,8 @@ def test_building_the_parser_imports_no_torch() -> None:
 
 def test_parser_constants_agree_with_the_library() -> None:
     from tensorstore_h5 import cli
-    from tensorstore_h5.compression import PRESETS
-    from tensorstore_h5.format import FORMAT_VERSION
+    from tensorstore_h5.codecs.presets import PRESETS
+    from tensorstore_h5.format.constants import FORMAT_VERSION
 
     assert cli.FORMAT_VERSION == FORMAT_VERSION
     assert cli.PRESET_NAMES == tuple(sorted(PRESETS))

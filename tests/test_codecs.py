@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import tensorstore_h5 as th5
-from tensorstore_h5 import codecs, io
-from tensorstore_h5 import store as store_mod
+from tensorstore_h5 import transfer
+from tensorstore_h5.codecs import decoders as codecs
+from tensorstore_h5.storage import parallel
 
 from helpers import ALL_DTYPES, assert_same_tensor, bits, random_tensor
 
@@ -47,7 +48,7 @@ def test_decode_matches_hdf5_filter_path(tmp_path, name, shape) -> None:
     th5.save({"t": t}, tmp_path / "c.h5", compression=FILTERS[name](), chunk_bytes=64 * 1024)
     with th5.open(tmp_path / "c.h5") as s:
         got = s["t"].read(verify=True)
-        chunked = s._chunked(s["t"]._entry)
+        chunked = s._reader.chunked(s["t"]._entry)
         assert chunked is not None and len(chunked.chunks) > 2
         assert chunked.nbytes % chunked.chunk_bytes and not chunked.chunks[-1][2]  # a padded, filtered last chunk
     assert np.array_equal(bits(got).numpy(), _hdf5_bytes(tmp_path / "c.h5", "t"))
@@ -61,7 +62,7 @@ def test_every_preset_and_dtype_decodes_here(tmp_path, preset, dtype) -> None:
     th5.save({"t": t}, tmp_path / "c.h5", compression=preset, chunk_bytes=16 * 1024)
     with th5.open(tmp_path / "c.h5") as s:
         assert_same_tensor(s["t"].read(verify=True), t)
-        assert s._chunked(s["t"]._entry) is not None
+        assert s._reader.chunked(s["t"]._entry) is not None
 
 
 @pytest.mark.parametrize("preset", ["lz4", "zstd"])
@@ -70,13 +71,13 @@ def test_byte_ranges_across_chunk_edges(tmp_path, preset) -> None:
     th5.save({"t": t}, tmp_path / "c.h5", compression=preset, chunk_bytes=37 * 2 * 64)  # 64-row chunks
     with th5.open(tmp_path / "c.h5") as s:
         h = s["t"]
-        chunked = s._chunked(h._entry)
+        chunked = s._reader.chunked(h._entry)
         assert chunked.chunk_bytes == 37 * 2 * 64
         for index in [slice(0, 64), slice(63, 65), slice(64, 128), slice(1, 999), slice(960, 1000), slice(999, 1000),
                       7, 64, 999, (500, slice(3, 9)), (63, slice(36, 37)), slice(5, 5), (slice(None), 3),
                       (slice(10, 900, 7), slice(1, 30, 4))]:
             assert_same_tensor(h[index], t[index], layout=False)
-        reader = codecs.ChunkReader(chunked, s._rawfile().pread)
+        reader = codecs.ChunkReader(chunked, s._reader.rawfile().pread)
         for offset, n in [(0, 1), (1, 4735), (4735, 2), (4736, 4736), (73_999, 1)]:  # raw byte ranges
             buf = np.zeros(n, dtype=np.uint8)
             reader.read(offset, buf)
@@ -90,7 +91,7 @@ def test_chunks_of_one_run_of_a_later_dimension(tmp_path) -> None:
     t = _weights((3, 5000, 8), torch.float32, seed=6)
     th5.save({"t": t}, tmp_path / "c.h5", compression="lz4", chunk_bytes=16 * 1024)
     with th5.open(tmp_path / "c.h5") as s:
-        chunked = s._chunked(s["t"]._entry)
+        chunked = s._reader.chunked(s["t"]._entry)
         assert chunked.chunk_shape[0] == 1 and chunked.chunk_shape[1] < 5000
         assert_same_tensor(s["t"].read(verify=True), t)
         assert_same_tensor(s["t"][1, 4000:4900], t[1, 4000:4900], layout=False)
@@ -102,14 +103,14 @@ def test_full_load_batches_decodes_of_many_datasets(tmp_path, monkeypatch) -> No
 
     sd = {f"w{i}": _weights((200, 50), torch.float16, seed=i) for i in range(12)}
     th5.save(sd, tmp_path / "c.h5", compression="zstd", chunk_bytes=4096)
-    monkeypatch.setattr(io, "PIECE_BYTES", 8192 * codecs.DECODE_COST)  # batches of ~2 chunks, as of 8 MiB in a real load
-    monkeypatch.setattr(io, "IO_THREADS", 2)
+    monkeypatch.setattr(parallel, "PIECE_BYTES", 8192 * codecs.DECODE_COST)  # batches of ~2 chunks, as of 8 MiB in a real load
+    monkeypatch.setattr(parallel, "IO_THREADS", 2)
     batches = []
-    real = io._run_all
-    monkeypatch.setattr(io, "_run_all", lambda jobs: (batches.append((len(jobs), threading.current_thread().name)), real(jobs))[1])
+    real = parallel._run_all
+    monkeypatch.setattr(parallel, "_run_all", lambda jobs: (batches.append((len(jobs), threading.current_thread().name)), real(jobs))[1])
     with th5.open(tmp_path / "c.h5") as s:
         out = s.load()
-        assert all(s._chunked(s[k]._entry) is not None for k in sd)
+        assert all(s._reader.chunked(s[k]._entry) is not None for k in sd)
     for k in sd:
         assert_same_tensor(out[k], sd[k])
     chunks = 12 * -(-20_000 // 4096)
@@ -147,7 +148,7 @@ def test_chunks_stored_unfiltered_are_copied(tmp_path) -> None:
             ds.id.write_direct_chunk((first, 0), t[first:first + 64].numpy().tobytes(), filter_mask=1)
     with th5.open(tmp_path / "raw.h5") as s:
         assert torch.equal(s["t"].read(), t)
-        assert [raw for _, _, raw in s._chunked(s["t"]._entry).chunks] == [False, False, True, True]
+        assert [raw for _, _, raw in s._reader.chunked(s["t"]._entry).chunks] == [False, False, True, True]
 
 
 def test_hdf5s_own_filters_are_read_by_hdf5_and_others_refused(tmp_path) -> None:
@@ -172,7 +173,7 @@ def test_damaged_chunk_names_file_and_key(tmp_path) -> None:
     path = tmp_path / "c.h5"
     th5.save({"model": {"w": t}}, path, compression="zstd", chunk_bytes=8192)
     with th5.open(path) as s:
-        offset = s._chunked(s["model/w"]._entry).chunks[2][0]
+        offset = s._reader.chunked(s["model/w"]._entry).chunks[2][0]
     with open(path, "r+b") as fh:
         fh.seek(offset + 8)
         fh.write(b"\xff" * 64)
@@ -184,7 +185,7 @@ def test_damaged_chunk_names_file_and_key(tmp_path) -> None:
 
 def test_compressed_data_streams_through_staging_buffers(tmp_path, monkeypatch) -> None:
     """Device targets: compressed chunks decode into the staging buffers, block = whole chunks."""
-    monkeypatch.setattr(store_mod, "_staged", lambda t: True)
+    monkeypatch.setattr(transfer, "staged", lambda dev: True)
     monkeypatch.setattr("tensorstore_h5.transfer.STAGING_BYTES", 10_000)
     t = _weights((500, 40), torch.float32, seed=17)
     th5.save({"t": t}, tmp_path / "c.h5", compression="lz4", chunk_bytes=40 * 4 * 16)  # 2560-byte chunks
@@ -192,7 +193,7 @@ def test_compressed_data_streams_through_staging_buffers(tmp_path, monkeypatch) 
         out = torch.empty(500, 40)
         s["t"].read(out=out)
         assert torch.equal(out, t)
-        stager = s._stagers[torch.device("cpu")]
+        stager = s._reader._stagers[torch.device("cpu")]
         assert stager.block_size(2560) == 7680 and sum(stager.uses) == len(stager.iter_blocks(80_000, 2560)) == 11
         part = torch.empty(33, 40)
         s["t"].read(out=part, index=slice(100, 133))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tensorstore_h5 as th5
-from tensorstore_h5.compression import chunk_shape
+from tensorstore_h5.codecs.presets import chunk_shape
 
 from helpers import ALL_DTYPES, assert_same_tensor, random_tensor
 

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tensorstore_h5 as th5
-from tensorstore_h5.realweights import minilm_path, minilm_state_dict
+from tensorstore_h5.bench.realweights import minilm_path, minilm_state_dict
+from tensorstore_h5.reading.many import Reader
 
 from helpers import assert_same
 
@@ -241,14 +242,13 @@ def test_h5_to_h5_streams_key_by_key_and_keeps_ties_and_versions(tmp_path, monke
     import weakref
     from collections import OrderedDict
 
-    from tensorstore_h5.store import Store
 
     sd = OrderedDict((f"w{i}", torch.randn(64, 32)) for i in range(12))
     sd["head"] = sd["w0"]
     sd._metadata = OrderedDict([("", {"version": 3})])
     th5.save({"model": sd, "step": 7, "betas": (0.9, 0.99)}, tmp_path / "a.h5")
     alive = []
-    real = Store._read_leaf
+    real = Reader.read_leaf
 
     def counting(self, entry, *args):
         value = real(self, entry, *args)
@@ -259,7 +259,7 @@ def test_h5_to_h5_streams_key_by_key_and_keeps_ties_and_versions(tmp_path, monke
             assert len(live) <= 3, f"the whole file was held in memory: {live}"  # w0 (tied), the last two
         return value
 
-    monkeypatch.setattr(Store, "_read_leaf", counting)
+    monkeypatch.setattr(Reader, "read_leaf", counting)
     th5.convert(tmp_path / "a.h5", tmp_path / "b.h5", compression="lz4")
     monkeypatch.undo()
     assert len(alive) == 13
@@ -280,12 +280,12 @@ def test_conversions_hold_one_tensor_at_a_time(tmp_path, suffix) -> None:
     th5.save({f"w{i}": torch.full((32, 2**18), float(i)) for i in range(5)}, src)  # 32 MiB each
     script = (
         "import sys, tensorstore_h5 as th5\n"
-        "from tensorstore_h5.bench import _reset_peak, _status\n"
+        "from tensorstore_h5.bench.measure import reset_peak, status\n"
         "th5._import_all()\n"
-        "_reset_peak()\n"  # ru_maxrss would start at this test process's RSS (a child's peak is its parent's)
-        "base = _status('VmRSS')\n"
+        "reset_peak()\n"  # ru_maxrss would start at this test process's RSS (a child's peak is its parent's)
+        "base = status('VmRSS')\n"
         "th5.convert(sys.argv[1], sys.argv[2], progress=False)\n"
-        "print((_status('VmHWM') - base) / 2**20)\n"
+        "print((status('VmHWM') - base) / 2**20)\n"
     )
     out = subprocess.run([sys.executable, "-c", script, str(src), str(tmp_path / f"dst{suffix}")],
                          capture_output=True, text=True, check=True)

@@ -12,6 +12,7 @@ import torch
 
 import tensorstore_h5 as th5
 from tensorstore_h5.display import MAX_DEPTH, TreeRow, human_bytes, tree_html
+from tensorstore_h5.reading.many import Reader
 
 # -- reading the view back: what a person clicking through it can reach ----------------------
 
@@ -112,7 +113,7 @@ def test_store_and_handle_html(tmp_path) -> None:
 
 
 def test_dotted_names_nest_with_totals(tmp_path) -> None:
-    from tensorstore_h5.synthetic import checkpoint
+    from tensorstore_h5.bench.synthetic import checkpoint
 
     ckpt = checkpoint(layers=12, width=16)
     th5.save(ckpt, tmp_path / "c.h5")
@@ -146,7 +147,7 @@ def test_dotted_names_nest_with_totals(tmp_path) -> None:
 
 
 def test_groups_start_open_while_they_stay_small(tmp_path) -> None:
-    from tensorstore_h5.synthetic import transformer_state_dict
+    from tensorstore_h5.bench.synthetic import transformer_state_dict
 
     ckpt = {"small": {"a.x": torch.zeros(1)}, "model": transformer_state_dict(12, 8), "tail": {"b": 1}}
     th5.save(ckpt, tmp_path / "o.h5")
@@ -163,7 +164,7 @@ def test_groups_start_open_while_they_stay_small(tmp_path) -> None:
 def test_every_row_of_a_10000_key_file_is_reachable_fast_and_reads_no_data(tmp_path, monkeypatch) -> None:
     th5.save({"layers": {f"p{i}": torch.zeros(2) for i in range(10_000)}}, tmp_path / "big.h5")
     with th5.open(tmp_path / "big.h5") as s:
-        monkeypatch.setattr(th5.Store, "_read_tensor", lambda *a, **k: (_ for _ in ()).throw(AssertionError("read")))
+        monkeypatch.setattr(Reader, "read_tensor", lambda *a, **k: (_ for _ in ()).throw(AssertionError("read")))
         s._repr_html_()  # the first call parses the layout entries
         t0 = time.perf_counter()
         html = s._repr_html_()

@@ -604,7 +604,7 @@ def test_import_does_not_load_torch_distributed_checkpoint() -> None:
 
 
 def _saved(tmp_path, **writer) -> tuple[str, dict[str, torch.Tensor]]:
-    from tensorstore_h5.distributed.simulate import save_as_ranks
+    from tensorstore_h5.bench.simulate import save_as_ranks
 
     full = _full()
     path = str(tmp_path / "ckpt")
@@ -780,7 +780,7 @@ def test_unrelated_files_in_the_directory_are_kept(tmp_path) -> None:
 
 
 def test_index_size_grows_linearly_with_ranks() -> None:
-    from tensorstore_h5.distributed.simulate import index_size
+    from tensorstore_h5.bench.simulate import index_size
 
     shapes = {f"layers.{i}.w": (256, 64) for i in range(8)}
     sizes = [index_size(shapes, r) for r in (2, 8, 32)]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tensorstore_h5 as th5
-from tensorstore_h5.dtypes import REGISTRY, spec_for_name, spec_for_numpy, spec_for_torch
+from tensorstore_h5.format.dtypes import REGISTRY, spec_for_name, spec_for_numpy, spec_for_torch
 
 from helpers import ALL_DTYPES, assert_same_tensor, random_tensor
 

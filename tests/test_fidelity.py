@@ -11,14 +11,14 @@ import pytest
 import torch
 
 import tensorstore_h5 as th5
-from tensorstore_h5 import io
-from tensorstore_h5.realweights import minilm_path
+from tensorstore_h5.bench.realweights import minilm_path
+from tensorstore_h5.storage import parallel
 
 
 def test_tied_targets_get_the_last_key_in_file_order_whole(tmp_path, monkeypatch) -> None:
     """Two target names, one tensor, different values in the file: never a mix of the two."""
-    monkeypatch.setattr(io, "PIECE_BYTES", 4096)  # many pieces: a race would show as a mix
-    monkeypatch.setattr(io, "IO_THREADS", 2)
+    monkeypatch.setattr(parallel, "PIECE_BYTES", 4096)  # many pieces: a race would show as a mix
+    monkeypatch.setattr(parallel, "IO_THREADS", 2)
     a, b = torch.full((2048, 16), 1.0), torch.full((2048, 16), 2.0)
     th5.save({"embed": a, "head": b}, tmp_path / "f.h5")
     for _ in range(20):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tensorstore_h5 as th5
-from tensorstore_h5 import format as fmt
+from tensorstore_h5.format import layout as fmt
 
 from data.make_v1 import golden
 from data.make_v2 import compression as compression2

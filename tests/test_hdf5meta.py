@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import tensorstore_h5 as th5
-from tensorstore_h5 import hdf5meta, writer
-from tensorstore_h5 import format as fmt
-from tensorstore_h5.dtypes import spec_for_torch
+from tensorstore_h5.format import hdf5meta
+from tensorstore_h5.format import layout as fmt
+from tensorstore_h5.format.dtypes import spec_for_torch
+from tensorstore_h5.writing import writer
 
 from helpers import assert_same, random_tensor
 
@@ -97,7 +98,7 @@ def test_encoded_file_layout(tmp_path) -> None:
         for k in s.keys():
             h = s[k]
             if isinstance(h, th5.TensorHandle) and h.nbytes:
-                assert s._where(h._entry).offset % 64 == 0
+                assert s._reader.where(h._entry).offset % 64 == 0
     r = subprocess.run([sys.executable, "-m", "tensorstore_h5", "verify", str(tmp_path / "f.h5")], capture_output=True,
                        text=True)
     assert r.returncode == 0, r.stderr
@@ -163,11 +164,11 @@ def test_small_tensors_are_gathered_into_few_writes(tmp_path, monkeypatch) -> No
     """Small tensors' data goes out in gathered writes of about 1 MiB (with the alignment gaps
     as zeros); a large tensor between them is written on its own; every byte and checksum
     reads back (verify)."""
-    from tensorstore_h5 import io
+    from tensorstore_h5.storage import files
 
     sizes = []
-    real = io.pwrite_all
-    monkeypatch.setattr(io, "pwrite_all", lambda fd, data, at: (sizes.append(memoryview(data).nbytes), real(fd, data, at))[1])
+    real = files.pwrite_all
+    monkeypatch.setattr(files, "pwrite_all", lambda fd, data, at: (sizes.append(memoryview(data).nbytes), real(fd, data, at))[1])
     g = torch.Generator().manual_seed(4)
     sd = {f"s{i}": torch.randn(int(torch.randint(1, 300, (1,), generator=g)), generator=g) for i in range(3000)}
     sd["big"] = torch.randn(2**18, generator=g)  # 1 MiB: its own write
@@ -450,3 +451,79 @@ def test_the_largest_dense_group_is_read_and_extended_by_libhdf5(tmp_path) -> No
     with h5py.File(tmp_path / "f.h5", "r") as f:
         g = f["g"]
         assert len(g) == n + 1 and g["extra"][()] == -1 and all(g[f"w{i}"][()] == i for i in range(0, n, 997))
+
+
+def _without_layout(dump: str) -> list[str]:
+    """``h5dump``'s text without its first line (the file name) and the ``%layout`` dataset
+    (whose bytes name data offsets, which differ between the two writers)."""
+    out, skip = [], None
+    for line in dump.splitlines()[1:]:
+        if skip is None and line.strip() == f'DATASET "{fmt.LAYOUT_DATASET}" {{':
+            skip = line[:len(line) - len(line.lstrip())] + "}"
+            continue
+        if skip is not None:
+            skip = None if line == skip else skip
+            continue
+        out.append(line)
+    return out
+
+
+def test_h5dump_prints_an_encoded_file_as_libhdf5s_own(tmp_path, monkeypatch) -> None:
+    """The HDF5 tools' own reader (``h5dump``, not h5py) prints every group, dataset, type,
+    attribute, storage property and value of an encoded file exactly as of the file libhdf5
+    writes for the same state, but where each dataset's bytes lie (.ci/run installs hdf5-tools)."""
+    import shutil
+
+    h5dump = shutil.which("h5dump")
+    if h5dump is None:
+        pytest.skip("h5dump is not installed (Debian: hdf5-tools)")
+    sd = _sample() | {"dense": {f"k{i}": torch.full((2,), float(i)) for i in range(70)}}  # > 64 links: dense storage
+    th5.save(sd, tmp_path / "own.h5", metadata={"note": "x"})
+    monkeypatch.setattr(writer, "ENCODE_METADATA", False)
+    th5.save(sd, tmp_path / "lib.h5", metadata={"note": "x"})
+
+    def dump(name: str) -> list[str]:
+        r = subprocess.run([h5dump, "-p", str(tmp_path / name)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and not r.stderr, r.stderr
+        return [line for line in _without_layout(r.stdout) if not line.strip().startswith("OFFSET ")]  # data placement
+
+    own, lib = dump("own.h5"), dump("lib.h5")
+    assert own == lib
+    text = "\n".join(own)
+    assert 'DATASET "k69"' in text and 'ATTRIBUTE "torch_dtype"' in text and "H5T_IEEE_F32LE" in text
+    values = ", ".join(f"{v:g}" for v in sd["model"]["w"][0].tolist())
+    assert f"(0,0): {values}" in text.replace("\n      ", " ")  # the values themselves, read by h5dump
+
+
+def test_pyfive_sees_the_same_tree_in_an_encoded_file(tmp_path, monkeypatch) -> None:
+    """pyfive, a pure-Python HDF5 reader that shares no code with libhdf5, reads the groups,
+    names, shapes, types and attributes of an encoded file as of libhdf5's file. (pyfive 1.3
+    reads dataset values at addresses not offset by the user block, in libhdf5's own files
+    with one too, so the values are checked through h5py and h5dump only; it parses neither
+    the 8-bit float type of float8_e5m2 nor the compound of two halves of complex32, which are
+    left out.)"""
+    pyfive = pytest.importorskip("pyfive")
+    sd = _sample() | {"dense": {f"k{i}": torch.full((2,), float(i)) for i in range(70)}}
+    sd["dtypes"] = {k: v for k, v in sd["dtypes"].items() if k not in ("float8_e5m2", "complex32")}
+    th5.save(sd, tmp_path / "own.h5")
+    monkeypatch.setattr(writer, "ENCODE_METADATA", False)
+    th5.save(sd, tmp_path / "lib.h5")
+
+    def tree(group, path=""):
+        out = {}
+        for name in group.keys():
+            obj, key = group[name], f"{path}/{name}"
+            attrs = {a: np.asarray(v).tolist() for a, v in obj.attrs.items()}
+            if isinstance(obj, pyfive.Group):
+                out[key] = ("group", attrs)
+                out.update(tree(obj, key))
+            elif name != fmt.LAYOUT_DATASET:
+                out[key] = (tuple(obj.shape), str(obj.dtype), attrs)
+        return out
+
+    own, lib = tree(pyfive.File(str(tmp_path / "own.h5"))), tree(pyfive.File(str(tmp_path / "lib.h5")))
+    assert own == lib
+    assert own["/model/w"] == ((4, 3), "float32", {}) and len([k for k in own if k.startswith("/dense/")]) == 70
+    assert own["/dtypes/bfloat16"][2] == {"torch_dtype": b"bfloat16"}
+    assert {k: np.asarray(v).tolist() for k, v in pyfive.File(str(tmp_path / "own.h5")).attrs.items()} == \
+        {"tensorstore_h5.format": b"tensorstore_h5", "tensorstore_h5.version": 2}

@@ -1,4 +1,4 @@
-"""The plain-socket HTTP client (tensorstore_h5.httpranges): exact ranges into the caller's
+"""The plain-socket HTTP client (tensorstore_h5.storage.httpranges): exact ranges into the caller's
 memory, every answer checked, redirects, kept-alive connections, bounded concurrency. All on
 127.0.0.1 (the suite's range server)."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import tensorstore_h5 as th5
-from tensorstore_h5 import httpranges, remote
-from tensorstore_h5.httpranges import HTTPStatusError, RangeAnswerError, RangeClient, check_answer
-from tensorstore_h5.loopback import RangeServer
+from tensorstore_h5.bench.loopback import RangeServer
+from tensorstore_h5.storage import httpranges, remote
+from tensorstore_h5.storage.httpranges import HTTPStatusError, RangeAnswerError, RangeClient, check_answer
 
 pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
@@ -42,7 +42,7 @@ def _idle(server: RangeServer) -> list:
 
 
 def _plain_source(store: th5.Store) -> remote.RemoteSource:
-    src = store._rawfile()
+    src = store._reader.rawfile()
     assert isinstance(src, remote.RemoteSource) and src._client is not None, "not read by the plain client"
     return src
 
@@ -175,11 +175,11 @@ def test_request_headers_reach_the_server_and_session_options_choose_fsspec(root
         assert torch.equal(s["layers.3.weight"].read(), model["layers.3.weight"])
     assert server.headers and all(h.get("Authorization") == "Bearer abc" for h in server.headers)
     with th5.open(server.url("model.h5"), storage_options={"client_kwargs": {"trust_env": False}}) as s:
-        assert s._rawfile()._client is None  # only fsspec's session honours these
+        assert s._reader.rawfile()._client is None  # only fsspec's session honours these
         assert torch.equal(s["layers.4.weight"].read(), model["layers.4.weight"])
     server.reset()
     with th5.open(server.url("model.h5").replace("://", "://user:pw@")) as s:  # credentials in the URL: fsspec sends them
-        assert s._rawfile()._client is None
+        assert s._reader.rawfile()._client is None
         assert torch.equal(s["layers.5.weight"].read(), model["layers.5.weight"])
     assert server.headers and all(h.get("Authorization", "").startswith("Basic ") for h in server.headers)
 

@@ -13,9 +13,9 @@ import shutil
 from pathlib import Path
 
 import tensorstore_h5 as th5
-from tensorstore_h5 import io
-from tensorstore_h5.format import Contiguous
-from tensorstore_h5.hdf5source import HDF5Read
+from tensorstore_h5.format.layout import Contiguous
+from tensorstore_h5.storage import files, memory, parallel
+from tensorstore_h5.storage.libhdf5 import HDF5Read
 
 from helpers import ALL_DTYPES, assert_same, assert_same_tensor, bits, random_tensor
 
@@ -25,8 +25,8 @@ GOLDEN = Path(__file__).parent / "data" / "v1.h5"
 @pytest.fixture()
 def small_pieces(monkeypatch):
     """Odd piece size: many pieces per tensor, and a partial last piece."""
-    monkeypatch.setattr(io, "PIECE_BYTES", 1000)
-    monkeypatch.setattr(io, "IO_THREADS", 2)
+    monkeypatch.setattr(parallel, "PIECE_BYTES", 1000)
+    monkeypatch.setattr(parallel, "IO_THREADS", 2)
 
 
 def _h5py_bits(path, key: str) -> np.ndarray:
@@ -56,7 +56,7 @@ def test_raw_reads_match_what_hdf5_stored(tmp_path, small_pieces, dtype) -> None
 
 @pytest.mark.parametrize("window", [10**9, 64, 7], ids=["one window", "row windows", "split rows"])
 def test_row_and_strided_slices_at_odd_offsets(tmp_path, small_pieces, monkeypatch, window) -> None:
-    monkeypatch.setattr(io, "GATHER_WINDOW", window)
+    monkeypatch.setattr(parallel, "GATHER_WINDOW", window)
     t = random_tensor((101, 7, 3), torch.float16, seed=3)
     th5.save({"t": t}, tmp_path / "f.h5")
     indexes = [slice(0, 1), slice(1, 3), slice(3, 4), (2,), (2, 1), (2, slice(1, 3)), (slice(1, 3), 1), slice(2, 2),
@@ -111,7 +111,7 @@ def test_truncated_data_is_refused_before_any_target_changes(tmp_path) -> None:
 def test_a_file_that_shrinks_after_open_names_the_key(tmp_path, monkeypatch, pieces) -> None:
     """The ranges were checked at open; the bytes are gone when the read runs."""
     if pieces == "queued pieces":
-        monkeypatch.setattr(io, "PIECE_BYTES", 1000)  # every tensor goes through the read plan's pieces
+        monkeypatch.setattr(parallel, "PIECE_BYTES", 1000)  # every tensor goes through the read plan's pieces
     path = tmp_path / "f.h5"
     th5.save({"a": torch.ones(100), "b": torch.ones(300, 100)}, path)
     with th5.open(path) as s:
@@ -147,21 +147,21 @@ def test_mmap_tensors_are_file_backed_and_copy_on_write(tmp_path) -> None:
 @pytest.mark.parametrize("huge", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.int64, torch.complex64])
 def test_empty_gives_a_usable_tensor_of_any_size(dtype: torch.dtype, huge: bool, monkeypatch) -> None:
-    monkeypatch.setattr(io, "HUGEPAGES", huge)
-    for n in [0, 3, io.MAP_MIN_BYTES // dtype.itemsize + 5, io.HUGEPAGE_MIN_BYTES // dtype.itemsize + 7]:
+    monkeypatch.setattr(memory, "HUGEPAGES", huge)
+    for n in [0, 3, memory.MAP_MIN_BYTES // dtype.itemsize + 5, memory.HUGEPAGE_MIN_BYTES // dtype.itemsize + 7]:
         for shape in [(n,), (1, n, 1)]:
-            t = io.empty(shape, dtype)
+            t = memory.empty(shape, dtype)
             assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
             t.fill_(1)
             assert int((t == 1).sum()) == n
-            if huge and n * dtype.itemsize >= io.HUGEPAGE_MIN_BYTES:
+            if huge and n * dtype.itemsize >= memory.HUGEPAGE_MIN_BYTES:
                 assert t.data_ptr() % (2 * 2**20) == 0  # huge-page aligned
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_empty_maps_every_dtype(dtype: torch.dtype) -> None:
-    n = io.MAP_MIN_BYTES // dtype.itemsize + 3
-    t = io.empty((n,), dtype)
+    n = memory.MAP_MIN_BYTES // dtype.itemsize + 3
+    t = memory.empty((n,), dtype)
     assert t.dtype == dtype and t.shape == (n,) and t.is_contiguous()
     raw = t.view(torch.uint8)
     raw.fill_(0xA5)  # writable, and exactly n * itemsize bytes
@@ -214,13 +214,13 @@ def test_mmap_of_a_misaligned_dataset_gets_its_own_mapping(tmp_path) -> None:
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
 @pytest.mark.parametrize("huge", [False, True])
 def test_empty_memory_is_returned_when_the_tensor_is_dropped(huge: bool, monkeypatch) -> None:
-    monkeypatch.setattr(io, "HUGEPAGES", huge)
+    monkeypatch.setattr(memory, "HUGEPAGES", huge)
     # through malloc, glibc would keep it in its heap once its mmap threshold has risen
-    sizes = [io.MAP_MIN_BYTES * 3, 40 * 2**20, io.MAP_MIN_BYTES * 5, 24 * 2**20]
+    sizes = [memory.MAP_MIN_BYTES * 3, 40 * 2**20, memory.MAP_MIN_BYTES * 5, 24 * 2**20]
     before = _rss()
     for _ in range(3):
         for nbytes in sizes:
-            t = io.empty((nbytes,), torch.uint8)
+            t = memory.empty((nbytes,), torch.uint8)
             t.fill_(7)
             assert _rss() - before >= nbytes // 2  # really backed by touched memory
             del t
@@ -231,10 +231,10 @@ def test_empty_memory_is_returned_when_the_tensor_is_dropped(huge: bool, monkeyp
 @pytest.mark.parametrize("huge", [False, True])
 def test_empty_holds_no_memory_beyond_the_tensor(huge: bool, monkeypatch) -> None:
     # a huge page over a tensor's partial last 2 MiB would hold up to 2 MiB it does not use
-    monkeypatch.setattr(io, "HUGEPAGES", huge)
-    nbytes = io.HUGEPAGE_MIN_BYTES + 2**20 + 4096
+    monkeypatch.setattr(memory, "HUGEPAGES", huge)
+    nbytes = memory.HUGEPAGE_MIN_BYTES + 2**20 + 4096
     before = _rss()
-    kept = [io.empty((nbytes,), torch.uint8).fill_(1) for _ in range(20)]
+    kept = [memory.empty((nbytes,), torch.uint8).fill_(1) for _ in range(20)]
     assert _rss() - before < 20 * nbytes + 8 * 2**20
     del kept
 
@@ -257,8 +257,8 @@ def test_foreign_datasets_read_raw_through_hdf5_or_refused(tmp_path) -> None:
         for k in "ckbm":
             assert torch.equal(s[k].read(), torch.arange(10, dtype=torch.float32))
             assert torch.equal(s[k].read(mmap=True), s[k].read())
-        assert isinstance(s._where(s["c"]._entry), Contiguous)
-        assert all(isinstance(s._where(s[k]._entry), HDF5Read) for k in "kbm")
+        assert isinstance(s._reader.where(s["c"]._entry), Contiguous)
+        assert all(isinstance(s._reader.where(s[k]._entry), HDF5Read) for k in "kbm")
         with pytest.raises(th5.FormatError, match="f.h5: key 'z'.*never written"):
             s["z"].read()
         with pytest.raises(th5.FormatError, match="f.h5: key 'x'.*external files"):
@@ -271,30 +271,30 @@ def test_streaming_gives_the_heaps_free_memory_back(tmp_path, monkeypatch) -> No
     the caller's freed temporaries in the heap, which keeps them)."""
     import types
 
-    from tensorstore_h5 import io as th5io
+    from tensorstore_h5.storage import memory
 
     free = [0]
     trims: list[int] = []
     fake = (lambda pad: trims.append(pad) or 1, lambda: types.SimpleNamespace(fordblks=free[0]))
-    monkeypatch.setattr(th5io, "_GLIBC", fake)
-    monkeypatch.setattr(th5io, "_streamed", 0)
-    monkeypatch.setattr(th5io, "TRIM_CHECK_BYTES", 4 * 2**20)
+    monkeypatch.setattr(memory, "_GLIBC", fake)
+    monkeypatch.setattr(memory, "_streamed", 0)
+    monkeypatch.setattr(memory, "TRIM_CHECK_BYTES", 4 * 2**20)
     sd = {f"w{i}": torch.full((1024, 1024), float(i)) for i in range(8)}  # 4 MiB each
     th5.save(sd, tmp_path / "a.h5")
     with th5.open(tmp_path / "a.h5") as s:
         assert [k for k, _ in s.items()] == list(sd)
     assert trims == []  # the heap held nothing free
-    free[0] = th5io.TRIM_BYTES
+    free[0] = memory.TRIM_BYTES
     with th5.open(tmp_path / "a.h5") as s, th5.Writer(tmp_path / "b.h5") as w:
         for k, t in s.items():
             w[k] = t * 2
     assert len(trims) == 16  # one look per 4 MiB streamed: 8 tensors read, 8 written
-    monkeypatch.setattr(th5io, "TRIM_BYTES", None)
+    monkeypatch.setattr(memory, "TRIM_BYTES", None)
     with th5.open(tmp_path / "a.h5") as s:
         list(s.items())
     assert len(trims) == 16
-    if th5io._glibc() is not None:  # the real one answers
-        trim, info = th5io._glibc()
+    if memory._glibc() is not None:  # the real one answers
+        trim, info = memory._glibc()
         assert trim(0) in (0, 1) and (info is None or info().arena >= 0)
 
 
@@ -302,11 +302,11 @@ def test_reads_from_a_local_file_ask_the_kernel_to_read_ahead(tmp_path, monkeypa
     """items() keeps READAHEAD_BYTES of the next tensors handed to the kernel's readahead ahead of
     the one it yields (never far more); load() hands over everything it will read at once;
     mmap loads and READAHEAD_BYTES = 0 hand over nothing."""
-    from tensorstore_h5 import io as th5io
+    from tensorstore_h5.storage import files
 
     advised: list[tuple[int, int]] = []
-    monkeypatch.setattr(th5io.RawFile, "willneed", lambda self, ranges: advised.extend(ranges))
-    monkeypatch.setattr(th5io, "READAHEAD_BYTES", 2 * 2**20)
+    monkeypatch.setattr(files.RawFile, "willneed", lambda self, ranges: advised.extend(ranges))
+    monkeypatch.setattr(files, "READAHEAD_BYTES", 2 * 2**20)
     sd = {f"w{i}": torch.full((512, 256), float(i)) for i in range(12)}  # 512 KiB each
     th5.save(sd, tmp_path / "a.h5")
     with th5.open(tmp_path / "a.h5") as s:
@@ -321,7 +321,7 @@ def test_reads_from_a_local_file_ask_the_kernel_to_read_ahead(tmp_path, monkeypa
     assert sorted(advised) == sorted((spans[k].offset, spans[k].nbytes) for k in ("w1", "w10", "w11"))
     advised.clear()
     th5.load(tmp_path / "a.h5", mmap=True)
-    monkeypatch.setattr(th5io, "READAHEAD_BYTES", 0)
+    monkeypatch.setattr(files, "READAHEAD_BYTES", 0)
     th5.load(tmp_path / "a.h5")
     with th5.open(tmp_path / "a.h5") as s:
         list(s.items())
@@ -329,12 +329,12 @@ def test_reads_from_a_local_file_ask_the_kernel_to_read_ahead(tmp_path, monkeypa
 
 
 def test_willneed_takes_any_ranges(tmp_path) -> None:
-    from tensorstore_h5 import io as th5io
+    from tensorstore_h5.storage import files
 
     th5.save({"w": torch.ones(1000)}, tmp_path / "a.h5")
-    raw = th5io.RawFile(str(tmp_path / "a.h5"))
+    raw = files.RawFile(str(tmp_path / "a.h5"))
     raw.willneed([(0, 100), (50, 10**9), (0, 0)])  # past the end and empty: the kernel's business
-    assert th5io.coalesce([(0, 100), (50, 10**9), (0, 0), (2 * 10**9, 5)], 1 << 20) == [[0, 10**9 + 50], [2 * 10**9, 2 * 10**9 + 5]]
+    assert files.coalesce([(0, 100), (50, 10**9), (0, 0), (2 * 10**9, 5)], 1 << 20) == [[0, 10**9 + 50], [2 * 10**9, 2 * 10**9 + 5]]
     raw.close()
     raw.willneed([(0, 100)])  # closed: nothing
 
@@ -354,7 +354,7 @@ def test_cached_tells_a_cold_file_from_a_warm_one(tmp_path) -> None:
     path = tmp_path / "f.bin"
     path.write_bytes(os.urandom(4 << 20))
     _evict(path)
-    raw = io.RawFile(str(path))
+    raw = files.RawFile(str(path))
     try:
         assert not raw.cached([(0, 1 << 20), (3 << 20, 1 << 20)])
         raw.read(0, 4 << 20)  # now in the page cache
@@ -370,22 +370,22 @@ def test_a_cold_load_keeps_more_reads_in_flight(tmp_path, monkeypatch) -> None:
     path = tmp_path / "ckpt.h5"
     th5.save(sd, path)
     threads: list[int | None] = []
-    real = io.ReadPlan.__init__
+    real = parallel.ReadPlan.__init__
 
     def init(self, raw, threads_=None):
         threads.append(threads_)
         real(self, raw, threads_)
 
-    monkeypatch.setattr(io.ReadPlan, "__init__", init)
+    monkeypatch.setattr(parallel.ReadPlan, "__init__", init)
     _evict(path)
     cold = th5.load(path, progress=False)
     warm = th5.load(path, progress=False)
-    assert threads == [io.COLD_IO_THREADS, None]
+    assert threads == [parallel.COLD_IO_THREADS, None]
     assert all(torch.equal(cold[k], v) and torch.equal(warm[k], v) for k, v in sd.items())
 
 
 def test_pwrite_all_finishes_short_writes_and_refuses_a_stalled_one(tmp_path, monkeypatch) -> None:
-    from tensorstore_h5 import io
+    from tensorstore_h5.storage import files, memory
 
     data = torch.arange(1000, dtype=torch.int32)
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
@@ -398,11 +398,11 @@ def test_pwrite_all_finishes_short_writes_and_refuses_a_stalled_one(tmp_path, mo
 
     try:
         monkeypatch.setattr(os, "pwrite", short)
-        io.pwrite_all(fd, io.tensor_buffer(data), 100)
+        files.pwrite_all(fd, memory.tensor_buffer(data), 100)
         assert calls == [4000, 3000, 2000, 1000]
         monkeypatch.setattr(os, "pwrite", lambda *a: 0)
         with pytest.raises(OSError, match="short write"):
-            io.pwrite_all(fd, b"x", 0)
+            files.pwrite_all(fd, b"x", 0)
     finally:
         monkeypatch.undo()
         os.close(fd)
@@ -410,17 +410,17 @@ def test_pwrite_all_finishes_short_writes_and_refuses_a_stalled_one(tmp_path, mo
 
 
 def test_tensor_buffer_is_the_tensors_own_memory_and_keeps_it_alive() -> None:
-    from tensorstore_h5 import io
+    from tensorstore_h5.storage import memory
 
     t = torch.zeros(4, dtype=torch.float32)
-    view = io.tensor_buffer(t)
+    view = memory.tensor_buffer(t)
     view[4:8] = torch.tensor([1.5]).numpy().tobytes()
     assert t.tolist() == [0.0, 1.5, 0.0, 0.0] and len(view) == 16
-    view = io.tensor_buffer(torch.full((3,), 7, dtype=torch.int64))  # the only reference to the tensor
+    view = memory.tensor_buffer(torch.full((3,), 7, dtype=torch.int64))  # the only reference to the tensor
     assert bytes(view) == torch.full((3,), 7, dtype=torch.int64).numpy().tobytes()
-    assert len(io.tensor_buffer(torch.empty(0))) == 0
+    assert len(memory.tensor_buffer(torch.empty(0))) == 0
     with pytest.raises(ValueError, match="contiguous"):
-        io.tensor_buffer(torch.zeros(3, 4).t())  # its bytes are not one range
+        memory.tensor_buffer(torch.zeros(3, 4).t())  # its bytes are not one range
 
 
 @pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no RWF_NOWAIT here")
@@ -431,8 +431,8 @@ def test_a_cold_mapped_load_starts_readahead_at_every_tensor(tmp_path, monkeypat
     with th5.open(path) as s:
         starts = sorted(s._layout.entry(k).extent.offset for k in sd)
     primed: list[list[int]] = []
-    real = io.RawFile.prime
-    monkeypatch.setattr(io.RawFile, "prime", lambda self, ranges: (primed.append([a for a, _ in ranges]),
+    real = files.RawFile.prime
+    monkeypatch.setattr(files.RawFile, "prime", lambda self, ranges: (primed.append([a for a, _ in ranges]),
                                                                     real(self, ranges))[1])
     _evict(path)
     cold = th5.load(path, mmap=True)
@@ -451,12 +451,12 @@ def test_gc_paused_nests_across_threads_and_restores_the_callers_setting() -> No
     seen = []
 
     def other() -> None:
-        with io.gc_paused():
+        with memory.gc_paused():
             inner_started.set()
             outer_may_end.wait(5)
             seen.append(gc.isenabled())
 
-    with io.gc_paused():
+    with memory.gc_paused():
         t = threading.Thread(target=other)
         t.start()
         inner_started.wait(5)
@@ -467,7 +467,7 @@ def test_gc_paused_nests_across_threads_and_restores_the_callers_setting() -> No
     assert seen == [False, False, False] and gc.isenabled()
     gc.disable()
     try:
-        with io.gc_paused():
+        with memory.gc_paused():
             pass
         assert not gc.isenabled()  # the caller had it off: left off
     finally:
@@ -478,7 +478,7 @@ def test_gc_paused_nests_across_threads_and_restores_the_callers_setting() -> No
 def test_block_hashes_cut_any_buffer_into_blocks(n) -> None:
     """One hash per block of ``block`` bytes, the last one shorter, for any buffer type and
     size (the one-block fast path and the sliced path agree with hashing each block alone)."""
-    from tensorstore_h5 import checksum
+    from tensorstore_h5.format import checksum
 
     data = bytes(range(256)) * (n // 256 + 1)
     data = data[:n]
@@ -502,8 +502,8 @@ def test_small_tensors_are_read_in_windows_into_storages_of_their_own(tmp_path, 
     sd = _small_state()
     th5.save(sd, tmp_path / "f.h5")
     calls = []
-    real = io.RawFile.pread
-    monkeypatch.setattr(io.RawFile, "pread", lambda self, at, view: (calls.append(len(view)), real(self, at, view))[1])
+    real = files.RawFile.pread
+    monkeypatch.setattr(files.RawFile, "pread", lambda self, at, view: (calls.append(len(view)), real(self, at, view))[1])
     out = th5.load(tmp_path / "f.h5", verify=True)
     assert_same(out, sd)
     small = [t for group in out.values() if isinstance(group, dict) for t in group.values()]
@@ -527,7 +527,7 @@ def test_a_corrupt_small_tensor_is_named_among_its_window(tmp_path) -> None:
         th5.load(tmp_path / "bad.h5", verify=True)
     assert not torch.equal(th5.load(tmp_path / "bad.h5")["b7"]["p3"], sd["b7"]["p3"])  # unverified: as stored
     with th5.open(tmp_path / "f.h5") as s:  # the same file, as if it ended inside b12/p1
-        raw = s._rawfile()
+        raw = s._reader.rawfile()
         real = raw.pread
 
         def short(at, view):
@@ -536,7 +536,7 @@ def test_a_corrupt_small_tensor_is_named_among_its_window(tmp_path) -> None:
             real(at, view)
 
         raw.pread = short
-        plan = io.ReadPlan(raw, threads=1)
+        plan = parallel.ReadPlan(raw, threads=1)
         for k in ("b12/p0", "b12/p1", "b12/p2"):
             e = s._entry(k)
             out = torch.empty(e.shape, dtype=e.dtype.torch_dtype)

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import tensorstore_h5 as th5
-from tensorstore_h5 import remote
+from tensorstore_h5.storage import remote
 
 from helpers import assert_same
-from tensorstore_h5.loopback import RangeServer, ServerProcess, free_port
+from tensorstore_h5.bench.loopback import RangeServer, ServerProcess, free_port
+from tensorstore_h5.reading.many import Reader
 
 pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
@@ -109,7 +110,7 @@ def test_row_slices_and_compressed_slices_fetch_only_their_ranges(served, server
         assert torch.equal(rows, objs["big"]["layers.7.weight"][100:110])
         assert server.bytes_sent == 10 * 1024 * 4 and len(server.requests) == 1
     with th5.open(server.url("zstd.h5")) as s:
-        chunked = s._chunked(s["layers.1.weight"]._entry)
+        chunked = s._reader.chunked(s["layers.1.weight"]._entry)
         server.reset()
         part = s["layers.1.weight"][300:340]
         assert torch.equal(part, objs["zstd"]["layers.1.weight"][300:340])
@@ -173,7 +174,7 @@ def test_the_next_batches_download_while_the_current_one_is_read(served, server,
     held: list[int] = []
     ahead: list[int] = []
     begun = threading.Event()
-    real_fetch, real_use, real_leaf = remote.RemoteSource.fetch, remote.RemoteSource.use, th5.Store._read_leaf
+    real_fetch, real_use, real_leaf = remote.RemoteSource.fetch, remote.RemoteSource.use, Reader.read_leaf
 
     def fetch(self, ranges, into=()):
         fetches.append(sum(n for _, n in ranges) + sum(len(v) for _, v in into))
@@ -194,7 +195,7 @@ def test_the_next_batches_download_while_the_current_one_is_read(served, server,
 
     monkeypatch.setattr(remote.RemoteSource, "fetch", fetch)
     monkeypatch.setattr(remote.RemoteSource, "use", use)
-    monkeypatch.setattr(th5.Store, "_read_leaf", read_leaf)
+    monkeypatch.setattr(Reader, "read_leaf", read_leaf)
     out = th5.load(server.url("big.h5"))
     assert all(torch.equal(out[k], v) for k, v in objs["big"].items())
     assert len(fetches) == 4 and max(fetches) <= 64 * 2**20 + 2 * 2**20 and max(held) <= 64 * 2**20 + remote.MAX_GAP
@@ -282,7 +283,7 @@ def test_a_streamed_tensor_with_damaged_bytes_is_refused_with_verify(served, ser
     damaged = server.root / "damaged.h5"
     shutil.copy(server.root / "big.h5", damaged)
     with th5.open(damaged) as s:
-        offset = s._where(s["layers.5.weight"]._entry).offset
+        offset = s._reader.where(s["layers.5.weight"]._entry).offset
     with open(damaged, "r+b") as f:
         f.seek(offset + 12345)
         f.write(b"\x00\x01\x02")
@@ -364,14 +365,14 @@ def test_an_answer_for_other_bytes_or_a_changed_object_is_refused(served, server
             s.load()
     with th5.open(server.url("small.h5")) as s:  # a 412 though the ETag is the one opened: If-Match is dropped
         server.behaviour.refuse_if_match = True
-        assert s._rawfile().etag is not None
+        assert s._reader.rawfile().etag is not None
         assert_same(s.load(verify=True), objs["small"])
-        assert s._rawfile().etag is None
+        assert s._reader.rawfile().etag is None
     server.reset()
     server.behaviour.etag = False
     shutil.copy(server.root / "small.h5", server.root / "changing.h5")
     with th5.open(server.url("changing.h5")) as s:
-        assert s._rawfile().etag is None
+        assert s._reader.rawfile().etag is None
         th5.save({"other": torch.zeros(9)}, server.root / "changing.h5")  # replaced by a shorter object
         with pytest.raises(th5.TensorStoreError, match=r"changing\.h5: .*changed while being read: 4[0-9]+ bytes now"):
             s.load()
@@ -381,12 +382,12 @@ def test_request_headers_reach_the_server_and_session_options_choose_fsspec(serv
     _, objs = served
     options = {"headers": {"Authorization": "Bearer abc"}}
     with th5.open(server.url("small.h5"), storage_options=options) as s:
-        assert (s._rawfile()._client is not None) == (client == "plain")
+        assert (s._reader.rawfile()._client is not None) == (client == "plain")
         server.reset()
         assert torch.equal(s["layers.3.weight"].read(), objs["small"]["layers.3.weight"])
     assert server.headers and all(h.get("Authorization") == "Bearer abc" for h in server.headers)
     with th5.open(server.url("small.h5"), storage_options={"client_kwargs": {"trust_env": False}}) as s:
-        assert s._rawfile()._client is None  # only fsspec's session honours these
+        assert s._reader.rawfile()._client is None  # only fsspec's session honours these
         assert torch.equal(s["layers.4.weight"].read(), objs["small"]["layers.4.weight"])
 
 
@@ -488,7 +489,7 @@ def test_s3_save_load_select_through_moto(s3) -> None:
     with th5.open("s3://ckpts/model.h5", storage_options=options) as s:
         assert s.metadata == {"where": "s3"} and torch.equal(s["layers.5.weight"][7], obj["layers.5.weight"][7])
         # read by a presigned URL and the plain client, or through s3fs
-        assert (s._rawfile()._client is not None) == remote.PLAIN_HTTP
+        assert (s._reader.rawfile()._client is not None) == remote.PLAIN_HTTP
 
 
 def test_s3_presigned_reads_sign_again_after_a_403_and_keep_per_request_options_on_s3fs(s3, served, server,
@@ -501,14 +502,14 @@ def test_s3_presigned_reads_sign_again_after_a_403_and_keep_per_request_options_
     obj = _model(3, 64, 256)
     th5.save(obj, "s3://ckpts/presigned.h5", storage_options=options)
     with th5.open("s3://ckpts/presigned.h5", storage_options=options) as s:
-        src = s._rawfile()
+        src = s._reader.rawfile()
         server.behaviour.status["/expired"] = 403
         src._client.url = server.url("expired")  # as a signature past its time answers
         assert torch.equal(s["layers.2.weight"][5:9], obj["layers.2.weight"][5:9])
         assert "X-Amz-Signature" in src._client.url or "Signature" in src._client.url, src._client.url
         assert server.paths == ["/expired"]  # asked once, then signed again
     with th5.open("s3://ckpts/presigned.h5", storage_options={**options, "requester_pays": True}) as s:
-        assert s._rawfile()._client is None
+        assert s._reader.rawfile()._client is None
 
 
 def test_a_failed_s3_save_leaves_no_object(s3) -> None:
@@ -595,7 +596,7 @@ def test_cli_verify_reads_a_url_in_few_requests_and_finds_damage(served, server,
     damaged = server.root / "verify-damaged.h5"
     shutil.copy(server.root / "verify.h5", damaged)
     with th5.open(damaged) as s:
-        end = max(o + n for e in (s._entry(k) for k in s.keys()) for o, n in s._ranges(e))
+        end = max(o + n for e in (s._entry(k) for k in s.keys()) for o, n in s._reader.ranges(e))
     data = bytearray(damaged.read_bytes())
     at = data.index(b"TREE", end) if b"TREE" in data[end:] else data.index(b"OHDR", end)
     data[at:at + 4] = b"XXXX"  # an HDF5 metadata block after the data

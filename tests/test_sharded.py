@@ -16,13 +16,14 @@ import torch
 
 import tensorstore_h5 as th5
 from helpers import assert_same
-from tensorstore_h5 import sharded, transfer, tree
+from tensorstore_h5 import sharded, transfer
+from tensorstore_h5.format import tree
 from tensorstore_h5.sharded import ShardedStore
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 pytest.importorskip("torch.distributed.checkpoint")
 
-from tensorstore_h5.distributed.simulate import save_as_ranks, shard_bounds  # noqa: E402
+from tensorstore_h5.bench.simulate import save_as_ranks, shard_bounds  # noqa: E402
 
 NO_DIST = "ignore:torch.distributed is disabled, unavailable or uninitialized:UserWarning"
 
@@ -177,7 +178,7 @@ def test_a_slice_reads_only_the_pieces_it_overlaps(tmp_path, monkeypatch) -> Non
 
 def test_column_slices_read_the_hyperslab(tmp_path, monkeypatch) -> None:
     """Runs of 16 KiB and more are read exactly; narrower ones in windows of whole rows of the
-    piece (never more than the overlapping pieces' bytes); steps through io.gather."""
+    piece (never more than the overlapping pieces' bytes); steps through parallel.gather."""
     wide = torch.randn(32, 16384, generator=torch.Generator().manual_seed(6))
     save_as_ranks({"wide": wide}, tmp_path / "c", ranks=2)
     with ShardedStore(tmp_path / "c") as s:
@@ -648,12 +649,10 @@ def test_load_into_assign_materialises_a_meta_module_from_a_directory(hf_dir, tm
 def staged_cpu(monkeypatch):
     """Treat the CPU as a device: ShardedStore.load(device="cpu") takes the staged device
     branch (what CUDA destinations take), and the stagers made are recorded."""
-    from tensorstore_h5.sharded import store as sstore
-
     real = ShardedStore._device
     monkeypatch.setattr(ShardedStore, "_device", lambda self, device, key: torch.device("cpu") if device == "cpu"
                         else real(self, device, key))
-    monkeypatch.setattr(sstore, "_staged", lambda dev: True)
+    monkeypatch.setattr(transfer, "staged", lambda dev: True)
     made = []
 
     class Recorded(transfer.Stager):
@@ -727,19 +726,19 @@ def test_load_into_device_targets_from_a_directory_go_through_the_staging_buffer
 @pytest.mark.parametrize("cached", [True, False])
 def test_reads_of_a_cold_file_run_on_more_threads(tmp_path, monkeypatch, cached) -> None:
     """A directory read whose first large region is not in the page cache runs on
-    io.COLD_IO_THREADS threads (more reads in flight for the disk), a cached one on
-    io.IO_THREADS; small reads are not probed. The bytes are right either way."""
-    from tensorstore_h5 import io
-    from tensorstore_h5.dtypes import spec_for_torch
+    parallel.COLD_IO_THREADS threads (more reads in flight for the disk), a cached one on
+    parallel.IO_THREADS; small reads are not probed. The bytes are right either way."""
+    from tensorstore_h5.storage import files, parallel
+    from tensorstore_h5.format.dtypes import spec_for_torch
     from tensorstore_h5.sharded.reads import Loc, Reads
-    from tensorstore_h5.slicing import whole
+    from tensorstore_h5.format.slicing import whole
 
-    monkeypatch.setattr(io, "COLD_IO_THREADS", io.IO_THREADS + 2)
+    monkeypatch.setattr(parallel, "COLD_IO_THREADS", parallel.IO_THREADS + 2)
     src = torch.randn(5 * 2**20 + 3, generator=torch.Generator().manual_seed(2))  # ~20 MiB
     (tmp_path / "raw.bin").write_bytes(bytes(4096) + src.numpy().tobytes())
     probed = []
-    monkeypatch.setattr(io.RawFile, "cached", lambda self, ranges, probes=8: probed.append(ranges) or cached)
-    raw = io.RawFile(str(tmp_path / "raw.bin"))
+    monkeypatch.setattr(files.RawFile, "cached", lambda self, ranges, probes=8: probed.append(ranges) or cached)
+    raw = files.RawFile(str(tmp_path / "raw.bin"))
     try:
         loc = Loc(str(tmp_path / "raw.bin"), "x", raw=raw, offset=4096)
         small = Reads()
@@ -750,7 +749,7 @@ def test_reads_of_a_cold_file_run_on_more_threads(tmp_path, monkeypatch, cached)
         reads = Reads()
         out = torch.empty_like(src)
         reads.region(loc, tuple(src.shape), spec_for_torch(torch.float32), whole(tuple(src.shape)), out)
-        assert reads.plan._threads == (io.IO_THREADS if cached else io.COLD_IO_THREADS)
+        assert reads.plan._threads == (parallel.IO_THREADS if cached else parallel.COLD_IO_THREADS)
         reads.run()
         assert probed == [[(4096, src.nbytes)]] and torch.equal(out, src)
     finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tensorstore_h5.slicing import rows, select, whole
+from tensorstore_h5.format.slicing import rows, select, whole
 
 
 @pytest.mark.parametrize("shape", [(), (0,), (5,), (3, 0, 2), (4, 5, 6)])

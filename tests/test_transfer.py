@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import tensorstore_h5 as th5
-from tensorstore_h5 import store as store_mod
 from tensorstore_h5 import transfer
+from tensorstore_h5.reading import store as store_mod
+from tensorstore_h5.reading.many import Reader
+from tensorstore_h5.storage import files, memory, parallel
 from tensorstore_h5.transfer import Stager
 
 from helpers import assert_same, assert_same_tensor, random_tensor
@@ -41,7 +43,7 @@ def test_blocks_cover_the_tensor_in_order_and_reuse_two_buffers(nbytes) -> None:
 @pytest.fixture()
 def staged_cpu(monkeypatch):
     """Send CPU targets through the staging path, as device targets go."""
-    monkeypatch.setattr(store_mod, "_staged", lambda t: True)
+    monkeypatch.setattr(transfer, "staged", lambda dev: True)
     monkeypatch.setattr("tensorstore_h5.transfer.STAGING_BYTES", 1000)
 
 
@@ -57,7 +59,7 @@ def test_store_reads_through_staging_buffers(tmp_path, staged_cpu) -> None:
         assert torch.equal(part.view(torch.int16), t[123:173].view(torch.int16))
         small = torch.empty(5, dtype=torch.int64)
         assert s["small"].read(out=small).tolist() == [0, 1, 2, 3, 4]
-        stager = s._stagers[torch.device("cpu")]
+        stager = s._reader._stagers[torch.device("cpu")]
         assert stager.block_bytes == 1000 and sum(stager.uses) == 5 + 1 + 1  # 4200 B in 5 blocks, 700 B, 40 B
         with pytest.raises(th5.MismatchError):
             s["t"].read(out=torch.empty(300, 7))  # wrong dtype: refused before any copy
@@ -66,22 +68,22 @@ def test_store_reads_through_staging_buffers(tmp_path, staged_cpu) -> None:
 def test_staged_blocks_are_read_by_several_threads(tmp_path, monkeypatch) -> None:
     """A contiguous dataset's staging blocks are filled by the I/O threads together, in pieces
     that cover each block once, so a device load is not held to one thread's copy speed."""
-    monkeypatch.setattr(store_mod, "_staged", lambda t: True)
+    monkeypatch.setattr(transfer, "staged", lambda dev: True)
     monkeypatch.setattr("tensorstore_h5.transfer.STAGING_BYTES", 64 * 1024)
-    monkeypatch.setattr(store_mod.io, "SPLIT_MIN_BYTES", 8192)
-    monkeypatch.setattr(store_mod.io, "IO_THREADS", 4)
+    monkeypatch.setattr(parallel, "SPLIT_MIN_BYTES", 8192)
+    monkeypatch.setattr(parallel, "IO_THREADS", 4)
     t = random_tensor((1000, 50), torch.float32, seed=9)  # 200,000 bytes: 3 blocks of 65,536 and one of 3,392
     th5.save({"t": t}, tmp_path / "p.h5")
     reads: list[tuple[int, int, str]] = []
-    real = store_mod.io.RawFile.pread
+    real = files.RawFile.pread
 
     def pread(self, offset, view):
         reads.append((offset, len(view), threading.current_thread().name))
         real(self, offset, view)
 
     with th5.open(tmp_path / "p.h5") as s:
-        at = s._where(s["t"]._entry).offset
-        monkeypatch.setattr(store_mod.io.RawFile, "pread", pread)
+        at = s._reader.where(s["t"]._entry).offset
+        monkeypatch.setattr(files.RawFile, "pread", pread)
         out = torch.empty(1000, 50)
         s["t"].read(out=out)
     assert torch.equal(out.view(torch.int32), t.view(torch.int32))
@@ -93,8 +95,8 @@ def test_staged_blocks_are_read_by_several_threads(tmp_path, monkeypatch) -> Non
 
 
 def test_pread_split_reports_a_failed_piece_after_all_have_ended(monkeypatch) -> None:
-    monkeypatch.setattr(store_mod.io, "SPLIT_MIN_BYTES", 1000)
-    monkeypatch.setattr(store_mod.io, "IO_THREADS", 3)
+    monkeypatch.setattr(parallel, "SPLIT_MIN_BYTES", 1000)
+    monkeypatch.setattr(parallel, "IO_THREADS", 3)
     done = []
 
     def pread(offset, view):
@@ -106,18 +108,18 @@ def test_pread_split_reports_a_failed_piece_after_all_have_ended(monkeypatch) ->
 
     buf = bytearray(3 * 8192)
     with pytest.raises(EOFError, match="short"):
-        store_mod.io.pread_split(pread, 0, memoryview(buf))
+        parallel.pread_split(pread, 0, memoryview(buf))
     assert sorted(done) == [8192, 16384]  # the other pieces ran to their end before the error came out
     small = []
-    store_mod.io.pread_split(lambda o, v: small.append((o, len(v))), 7, memoryview(bytearray(1999)))
+    parallel.pread_split(lambda o, v: small.append((o, len(v))), 7, memoryview(bytearray(1999)))
     assert small == [(7, 1999)]  # under two pieces' worth: one read
 
 
 def test_copy_many_packs_tensors_into_the_buffers_in_order(monkeypatch) -> None:
     """Many tensors share each staging buffer: every byte lands once, in its own tensor; each
     buffer is filled (pieces of one buffer on several threads) before its copies go out."""
-    monkeypatch.setattr(store_mod.io, "SPLIT_MIN_BYTES", 100)
-    monkeypatch.setattr(store_mod.io, "IO_THREADS", 4)
+    monkeypatch.setattr(parallel, "SPLIT_MIN_BYTES", 100)
+    monkeypatch.setattr(parallel, "IO_THREADS", 4)
     sizes = [1, 999, 0, 1000, 1001, 37, 4567, 2, 300]
     g = torch.Generator().manual_seed(3)
     srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
@@ -164,7 +166,7 @@ def test_staging_buffers_are_only_as_large_as_the_staged_bytes() -> None:
 def test_copy_many_keeps_several_buffers_in_flight(monkeypatch) -> None:
     """The reads of the next buffers run while one buffer's read is still going (no barrier
     per buffer): here the first buffer's fill waits until the second buffer's has started."""
-    monkeypatch.setattr(store_mod.io, "IO_THREADS", 4)
+    monkeypatch.setattr(parallel, "IO_THREADS", 4)
     second_started = threading.Event()
     srcs = [torch.full((1000,), i, dtype=torch.uint8) for i in range(6)]
     dests = [torch.zeros(1000, dtype=torch.uint8) for _ in srcs]
@@ -185,7 +187,7 @@ def test_copy_many_keeps_several_buffers_in_flight(monkeypatch) -> None:
 def test_copy_many_error_waits_for_every_read_in_flight(monkeypatch) -> None:
     """A failing fill raises out of copy_many only once no other read into the staging
     buffers is still running, and the tensors of later buffers are not written after it."""
-    monkeypatch.setattr(store_mod.io, "IO_THREADS", 4)
+    monkeypatch.setattr(parallel, "IO_THREADS", 4)
     running, ended = [0], []
     lock = threading.Lock()
 
@@ -225,7 +227,7 @@ def test_device_loads_fill_many_tensors_per_buffer(tmp_path, device_cpu) -> None
     th5.save(sd, tmp_path / "m.h5", compression=lambda p, t: "lz4" if p == "z" else None)
     with th5.open(tmp_path / "m.h5") as s:
         out = s.load(device="cpu", verify=True)
-        stager = s._stagers[torch.device("cpu")]
+        stager = s._reader._stagers[torch.device("cpu")]
         contiguous = sum(v.nbytes for k, v in sd.items() if k.startswith("p")) + sd["t"].nbytes
         assert sum(stager.uses) <= -(-contiguous // 1000) + 2 + 3  # + the compressed one's blocks
     assert_same(out, sd)
@@ -306,12 +308,12 @@ def test_cuda_targets(tmp_path) -> None:
 @pytest.fixture()
 def device_cpu(staged_cpu, monkeypatch):
     """Treat the CPU as a device: load(device="cpu") takes the device branch, through staging."""
-    real_target = th5.Store._target
-    monkeypatch.setattr(th5.Store, "_target", lambda self, device, key: torch.device("cpu") if device == "cpu"
+    real_target = Reader.target
+    monkeypatch.setattr(Reader, "target", lambda self, device, key: torch.device("cpu") if device == "cpu"
                         else real_target(self, device, key))
     temps = []
-    real = store_mod.io.empty
-    monkeypatch.setattr(store_mod.io, "empty", lambda shape, dtype, *a: temps.append(tuple(shape)) or real(shape, dtype, *a))
+    real = memory.empty
+    monkeypatch.setattr(memory, "empty", lambda shape, dtype, *a: temps.append(tuple(shape)) or real(shape, dtype, *a))
     return temps
 
 
@@ -343,11 +345,11 @@ def test_hdf5_only_datasets_stage_by_whole_rows_and_chunks(tmp_path, device_cpu)
             part = torch.empty(45, 16)
             s[key].read(out=part, index=slice(17, 62))
             assert torch.equal(part, t[17:62]), key
-        rows = [(s[k]._entry, s._where(s[k]._entry)) for k in ("gzip", "cols")]
-        assert s._hdf5_rows(*rows[0], store_mod.select_index((), (300, 16)), 1000)[1] == 64  # chunk > buffer
-        assert s._hdf5_rows(*rows[0], store_mod.select_index((), (300, 16)), 4000)[1] == 1280  # whole chunks
-        assert s._hdf5_rows(*rows[1], store_mod.select_index((), (300, 16)), 4000)[1] == 64  # whole rows
-        assert s._hdf5_rows(*rows[0], store_mod.select_index((slice(None), 3), (300, 16)), 4000)[0] is None
+        rows = [(s[k]._entry, s._reader.where(s[k]._entry)) for k in ("gzip", "cols")]
+        assert s._reader._hdf5_rows(*rows[0], store_mod.select_index((), (300, 16)), 1000)[1] == 64  # chunk > buffer
+        assert s._reader._hdf5_rows(*rows[0], store_mod.select_index((), (300, 16)), 4000)[1] == 1280  # whole chunks
+        assert s._reader._hdf5_rows(*rows[1], store_mod.select_index((), (300, 16)), 4000)[1] == 64  # whole rows
+        assert s._reader._hdf5_rows(*rows[0], store_mod.select_index((slice(None), 3), (300, 16)), 4000)[0] is None
         assert device_cpu == []  # every row range went through the staging buffers
         out = torch.empty(300)
         s["gzip"].read(out=out, index=(slice(None), 3))  # not a row range: HDF5 reads the column
@@ -403,7 +405,7 @@ def test_gpudirect_storage_through_kvikio_or_silent_fallback(tmp_path, staged_cp
 
     fake = _FakeKvikio(compat=mode == "compat", fail=mode == "failing")
     monkeypatch.setattr(transfer, "_kvikio_module", fake)
-    monkeypatch.setattr(store_mod, "_gds", lambda t: True)
+    monkeypatch.setattr(transfer, "gds_device", lambda dev: True)
     t = random_tensor((256, 33), torch.float32, seed=8)
     th5.save({"t": t, "c": (torch.randn(500, 40) * 0.02)}, tmp_path / "f.h5", compression=lambda p, _: "lz4" if p == "c" else None)
     with th5.open(tmp_path / "f.h5") as s:
@@ -413,7 +415,7 @@ def test_gpudirect_storage_through_kvikio_or_silent_fallback(tmp_path, staged_cp
         c = torch.empty(500, 40)
         s["c"].read(out=c)  # compressed: never through GDS
         assert torch.equal(c, s["c"].read())
-        staged = sum(s._stagers[torch.device("cpu")].uses)
+        staged = sum(s._reader._stagers[torch.device("cpu")].uses)
     if mode == "gds":
         assert len(fake.reads) == 1 and fake.reads[0][1] == t.nbytes and staged == 80_000 // 1000 + (80_000 % 1000 > 0)
     else:

@@ -8,8 +8,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tensorstore_h5 import UnsupportedTypeError, tree
-from tensorstore_h5.tree import Container, Leaf, decode_value, encode_value, escape, flatten, inflate, unescape
+from tensorstore_h5 import UnsupportedTypeError
+from tensorstore_h5.format import tree
+from tensorstore_h5.format.tree import Container, Leaf, decode_value, encode_value, escape, flatten, inflate, unescape
 
 from helpers import assert_same
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tensorstore_h5 as th5
-from tensorstore_h5 import io
+from tensorstore_h5.storage import files
 
 from helpers import assert_same
 
@@ -116,19 +116,20 @@ def test_shared_storage_is_written_once_as_a_hard_link(tmp_path) -> None:
 
 @pytest.mark.parametrize("encoded", [True, False], ids=["hdf5meta", "libhdf5"])
 def test_non_contiguous_and_device_tensors_are_written_in_blocks(tmp_path, device, monkeypatch, encoded) -> None:
-    from tensorstore_h5 import io, writer
+    from tensorstore_h5.storage import files, libhdf5
+    from tensorstore_h5.writing import writer
 
     monkeypatch.setattr(writer, "ENCODE_METADATA", encoded)
     calls = []
     if encoded:  # the data goes out by pwrite, block by block, before the layout and metadata
-        real_pwrite = io.pwrite_all
-        monkeypatch.setattr(io, "pwrite_all", lambda fd, data, at: (calls.append(memoryview(data).nbytes // 256),
+        real_pwrite = files.pwrite_all
+        monkeypatch.setattr(files, "pwrite_all", lambda fd, data, at: (calls.append(memoryview(data).nbytes // 256),
                                                                     real_pwrite(fd, data, at))[1])
     else:
-        real = io.write_hdf5
-        monkeypatch.setattr(io, "write_hdf5", lambda *a, **k: (calls.append(a[2].shape[0]), real(*a, **k))[1])
+        real = libhdf5.write_hdf5
+        monkeypatch.setattr(libhdf5, "write_hdf5", lambda *a, **k: (calls.append(a[2].shape[0]), real(*a, **k))[1])
     t = torch.randn(64, 33, device=device).t()  # 33 x 64, non-contiguous
-    monkeypatch.setattr(io, "BLOCK_BYTES", 10 * 64 * 4)
+    monkeypatch.setattr(libhdf5, "BLOCK_BYTES", 10 * 64 * 4)
     th5.save({"t": t}, tmp_path / "b.h5")
     # 33 rows of 256 bytes in blocks of 10 rows: 4 writes, the last one partial
     assert calls[:4] == [10, 10, 10, 3]
@@ -302,7 +303,7 @@ def _direct_state() -> dict[str, torch.Tensor]:
 def _failing_direct_writes(monkeypatch: pytest.MonkeyPatch, code: int) -> set[int]:
     """Make every write to an O_DIRECT descriptor that DirectWrites opens fail with errno
     ``code``; returns the set those descriptors are added to."""
-    real_pwrite, real_open = os.pwrite, io.DirectWrites.open
+    real_pwrite, real_open = os.pwrite, files.DirectWrites.open
     direct_fds: set[int] = set()
 
     def track(cls, path, fd):
@@ -316,29 +317,29 @@ def _failing_direct_writes(monkeypatch: pytest.MonkeyPatch, code: int) -> set[in
             raise OSError(code, os.strerror(code))
         return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(io.DirectWrites, "open", classmethod(track))
+    monkeypatch.setattr(files.DirectWrites, "open", classmethod(track))
     monkeypatch.setattr(os, "pwrite", failing)
     return direct_fds
 
 
 def test_direct_writes_round_trip_and_bypass_the_buffered_descriptor(tmp_path, monkeypatch) -> None:
     made = []
-    real_open = io.DirectWrites.open
-    monkeypatch.setattr(io.DirectWrites, "open", classmethod(lambda cls, p, fd: made.append(real_open(p, fd)) or made[-1]))
+    real_open = files.DirectWrites.open
+    monkeypatch.setattr(files.DirectWrites, "open", classmethod(lambda cls, p, fd: made.append(real_open(p, fd)) or made[-1]))
     sd = _direct_state()
     th5.save(sd, tmp_path / "d.h5", direct=True)
     assert len(made) == 1
     if made[0] is None:
         pytest.skip("this file system refuses O_DIRECT")
     large = sum(v.nbytes for k, v in sd.items() if k in ("a", "b16", "big", "t"))  # 1 MiB or more ("t" in row blocks)
-    assert large - 4 * 2 * io.DIRECT_ALIGN <= made[0].direct_bytes <= large
+    assert large - 4 * 2 * files.DIRECT_ALIGN <= made[0].direct_bytes <= large
     assert_same(th5.load(tmp_path / "d.h5", verify=True), sd)
     assert th5.load(tmp_path / "d.h5", mmap=True)["big"].equal(sd["big"])
 
 
 def test_direct_is_the_default_with_sync_only(tmp_path, monkeypatch) -> None:
     asked = []
-    monkeypatch.setattr(io.DirectWrites, "open", classmethod(lambda cls, p, fd: asked.append(p)))
+    monkeypatch.setattr(files.DirectWrites, "open", classmethod(lambda cls, p, fd: asked.append(p)))
     th5.save({"x": torch.ones(3)}, tmp_path / "a.h5")
     assert asked == []
     th5.save({"x": torch.ones(3)}, tmp_path / "b.h5", sync=True)

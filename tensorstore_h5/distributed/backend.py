@@ -53,14 +53,16 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import format as fmt
-from .. import io, sharded, tree
-from ..compression import Compression
-from ..dtypes import spec_for_torch
+from .. import sharded
+from ..codecs.presets import Compression
 from ..errors import FormatError, UnsupportedTypeError
-from ..format import ValueEntry
+from ..format import tree
+from ..format import layout as fmt
+from ..format.dtypes import spec_for_torch
+from ..format.layout import ValueEntry
 from ..sharded.reads import Reads, block_selection
-from ..writer import Writer, few_links
+from ..storage import memory
+from ..writing.writer import Writer, few_links
 
 __all__ = ["H5StorageWriter", "H5StorageReader", "save", "load"]
 
@@ -293,7 +295,7 @@ class H5StorageWriter(StorageWriter, BlockingAsyncStager):
         own) after checking it as a reader would, then remove what it supersedes."""
         rank = None if self.use_collectives else (self.rank or 0)
         name = sharded.INDEX_NAME if rank is None else sharded.rank_index_name(rank)
-        with io.gc_paused():
+        with memory.gc_paused():
             obj = self._index(metadata, results, rank)
             sharded.parse_index(sharded.index_text(obj), os.path.join(self.path, name)).entries  # checks every entry
         sharded.commit_index(self.path, obj, rank=rank, sync=self.sync_files)
@@ -338,11 +340,11 @@ class H5StorageWriter(StorageWriter, BlockingAsyncStager):
             nodes = tree.flatten(obj, kp)
             for n in nodes:
                 if isinstance(n, tree.Leaf) and isinstance(n.value, torch.Tensor):
-                    from ..writer import _plain
+                    from ..writing.writer import _plain
 
                     _plain(n.value, n.path)
                 elif isinstance(n, tree.Leaf) and isinstance(n.value, np.ndarray):
-                    from ..writer import _check_array
+                    from ..writing.writer import _check_array
 
                     _check_array(n.value, n.path)
         except UnsupportedTypeError as e:
@@ -668,7 +670,7 @@ class H5StorageReader(StorageReader):
 def dcp_metadata(layout: sharded.DirectoryIndex, checkpoint_id: str, load_id: str | None = None) -> Metadata:
     """DCP's ``Metadata`` of a directory index: every DCP key's global shape, dtype and stored
     chunks (the pieces) or a plain value, and where each is (``storage_data``)."""
-    with io.gc_paused():
+    with memory.gc_paused():
         return _dcp_metadata(layout, checkpoint_id, load_id)
 
 

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 from .convert import convert_dir, from_safetensors_dir, to_file
 from .index import (
-    INDEX_FORMAT, INDEX_NAME, INDEX_VERSION, DirectoryIndex, Piece, ShardedArrayEntry, ShardedTensorEntry,
-    check_cover, commit_index, data_file_name, file_info, index_text, new_save_id, parse_index,
-    rank_index_name, rank_stem,
+    DirectoryIndex, INDEX_FORMAT, INDEX_NAME, INDEX_VERSION, Piece, ShardedArrayEntry, ShardedTensorEntry, check_cover,
+    commit_index, data_file_name, file_info, index_text, new_save_id, parse_index, rank_index_name, rank_stem,
 )
 from .store import ShardedStore, ShardedTensorHandle, is_checkpoint_directory, open_directory
 

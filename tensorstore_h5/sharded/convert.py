@@ -8,12 +8,12 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from .. import format as fmt
-from ..select import Selector, resolve
-from ..tree import Container, Leaf
+from ..format import layout as fmt
+from ..format.tree import Container, Leaf
+from ..reading.select import Selector, resolve
 from .index import (
-    commit_index, data_file_name, file_info, INDEX_FORMAT, INDEX_NAME, index_text, INDEX_VERSION, new_save_id,
-    parse_index, PathLike, sanitize_stem, ShardedArrayEntry, ShardedTensorEntry,
+    INDEX_FORMAT, INDEX_NAME, INDEX_VERSION, PathLike, ShardedArrayEntry, ShardedTensorEntry, commit_index,
+    data_file_name, file_info, index_text, new_save_id, parse_index, sanitize_stem,
 )
 from .store import ShardedStore
 
@@ -32,7 +32,7 @@ def to_file(src: PathLike, dst: PathLike, *, select: Selector = None, verify: bo
     ``progress=``, ``sync=``). ``verify`` checks every piece's checksums first (tensorstore_h5
     directories). The nesting, containers and plain values are kept.
     """
-    from ..writer import Writer, few_links
+    from ..writing.writer import Writer, few_links
 
     with ShardedStore(src) as store:
         meta = dict(metadata) if metadata is not None else store.metadata
@@ -57,7 +57,7 @@ def from_safetensors_dir(src: PathLike, dst: PathLike, *, compression: Any = Non
     a save replaces it (the index last; files of the old one removed after). Returns the names
     of the files written.
     """
-    from ..writer import Writer, few_links
+    from ..writing.writer import Writer, few_links
 
     dst = os.fspath(dst)
     os.makedirs(dst, exist_ok=True)

@@ -16,13 +16,14 @@ from typing import Any, NamedTuple, Union
 
 import numpy as np
 
-from .. import checksum, io, tree
-from .. import format as fmt
 from ..display import human_bytes
-from ..dtypes import DtypeSpec, spec_for_name
 from ..errors import FormatError
-from ..format import ValueEntry
-from ..tree import Container
+from ..format import checksum, tree
+from ..format import layout as fmt
+from ..format.dtypes import DtypeSpec, spec_for_name
+from ..format.layout import ValueEntry
+from ..format.tree import Container
+from ..storage import files, memory
 
 __all__ = [
     "INDEX_NAME", "INDEX_FORMAT", "INDEX_VERSION", "HF_INDEX_SUFFIX", "DCP_METADATA", "MAX_INDEX_BYTES",
@@ -84,7 +85,7 @@ def sanitize_stem(name: str) -> str:
 
 def file_info(path: str) -> dict[str, Any]:
     """``{"bytes": length, "layout_xxh3": hex}`` of a format-2 file, from its header."""
-    raw = io.RawFile(path)
+    raw = files.RawFile(path)
     try:
         header = fmt.parse_header(raw.read(0, min(raw.size, fmt.HEADER_SIZE)), path, raw.size)
     finally:
@@ -330,7 +331,7 @@ def _fields(item: dict[str, Any], allowed: frozenset[str]) -> None:
 def parse_index(data: bytes, path: str) -> DirectoryIndex:
     """Parse the text of an index file (``path`` names it in errors). Raises FormatError."""
     try:
-        with io.gc_paused():
+        with memory.gc_paused():
             obj = json.loads(data)
     except (ValueError, RecursionError) as e:
         raise FormatError(f"{path}: damaged index (not valid JSON): {e}") from e
@@ -454,7 +455,7 @@ def _fsync_dir(directory: str) -> None:
 
 
 def _sweep(directory: str, keep: set[str], rank: int | None) -> list[str]:
-    from ..writer import sweep_partials
+    from ..writing.writer import sweep_partials
 
     removed = []
     own = None if rank is None else rank_stem(rank)

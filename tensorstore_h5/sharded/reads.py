@@ -15,12 +15,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .. import io
-from .. import format as fmt
-from ..dtypes import DtypeSpec, bits_view
 from ..errors import FormatError, TensorStoreError
-from ..format import ArrayEntry, Chunked, Contiguous, TensorEntry
-from ..slicing import Selection, contiguous_stride
+from ..format import layout as fmt
+from ..format.dtypes import DtypeSpec, bits_view
+from ..format.layout import ArrayEntry, Chunked, Contiguous, TensorEntry
+from ..format.slicing import Selection, contiguous_stride
+from ..storage import files, memory, parallel
 from .index import DirectoryIndex, Piece, ShardedArrayEntry, ShardedTensorEntry
 
 __all__ = [
@@ -51,7 +51,7 @@ class Loc(NamedTuple):
 
     path: str
     key: str
-    raw: io.RawFile | None = None
+    raw: files.RawFile | None = None
     offset: int = 0
     handle: Any = None
 
@@ -71,13 +71,13 @@ class Th5Files:
         return s
 
     def _open(self, name: str, key: str) -> Any:
-        from ..store import Store
+        from ..reading.store import Store
 
         full = os.path.join(self.index.directory, name)
         size, layout_hash = self.index.files[name]
         where = f"{full}: key {key!r}"
         try:
-            raw = io.RawFile(full)
+            raw = files.RawFile(full)
         except FileNotFoundError:
             raise FormatError(f"{where}: the file is missing; the index {self.index.path} names it "
                               "(a rank that did not finish, or a file removed by hand)") from None
@@ -136,9 +136,9 @@ class Th5Files:
                               f"{self.index.path} records {entry.dtype.name}")
         where = e.extent
         if isinstance(where, Contiguous):
-            return Loc(full, piece.key, raw=store._rawfile(), offset=where.offset)
+            return Loc(full, piece.key, raw=store._reader.rawfile(), offset=where.offset)
         if isinstance(where, Chunked):
-            from ..store import TensorHandle
+            from ..reading.store import TensorHandle
 
             return Loc(full, piece.key, handle=TensorHandle(store, e))
         return Loc(full, piece.key)
@@ -146,9 +146,9 @@ class Th5Files:
     def verify(self, piece: Piece, owner: str) -> None:
         store, e = self.entry(piece, owner, (TensorEntry, ArrayEntry))  # type: ignore[arg-type]
         if isinstance(e, TensorEntry):
-            store._verify_stored(e)
+            store._reader.verify_stored(e)
         else:
-            store._read_array(e, verify=True)
+            store._reader.read_array(e, verify=True)
 
     def read_array(self, entry: ShardedArrayEntry) -> np.ndarray:
         if len(entry.pieces) != 1 or any(entry.pieces[0].offsets):
@@ -157,7 +157,7 @@ class Th5Files:
         if e.dtype != entry.dtype:
             raise FormatError(f"{os.path.join(self.index.directory, entry.pieces[0].file)}: key {entry.pieces[0].key!r}: "
                               f"dtype {e.dtype}, the index records {entry.dtype}")
-        return store._read_array(e, verify=False)
+        return store._reader.read_array(e, verify=False)
 
     def close(self) -> None:
         for s in self._stores.values():
@@ -171,14 +171,14 @@ class Th5Files:
 class Reads:
     """Hyperslab reads of many pieces into their destinations, run on the I/O thread pool.
 
-    Raw reads are queued as jobs of about :data:`io.PIECE_BYTES` each; destinations that are not
+    Raw reads are queued as jobs of about :data:`parallel.PIECE_BYTES` each; destinations that are not
     contiguous CPU tensors of the stored dtype are read into a temporary and copied after
     :meth:`run` (cast like ``copy_``). When the first raw region of at least two pieces is not
-    in the page cache (:meth:`io.RawFile.cached`), the reads run on :data:`io.COLD_IO_THREADS`
+    in the page cache (:meth:`files.RawFile.cached`), the reads run on :data:`parallel.COLD_IO_THREADS`
     threads, as a cold load of one file does: more reads in flight keep the disk busy."""
 
     def __init__(self) -> None:
-        self.plan = io.ReadPlan(None)  # type: ignore[arg-type]  # jobs only: each names its own file
+        self.plan = parallel.ReadPlan(None)  # type: ignore[arg-type]  # jobs only: each names its own file
         self.posts: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._probed = False
 
@@ -189,7 +189,7 @@ class Reads:
             return
         dtype = spec.torch_dtype
         direct = dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
-        buf = dest if direct else io.empty(sel.count, dtype)
+        buf = dest if direct else memory.empty(sel.count, dtype)
         if not direct:
             self.posts.append((dest, buf))
         if loc.raw is not None:
@@ -205,15 +205,15 @@ class Reads:
         assert raw is not None
         strides = contiguous_stride(shape)
         wrap = functools.partial(_keyed, loc)
-        if not self._probed and buf.numel() * itemsize >= 2 * io.PIECE_BYTES:  # reads that several threads share
+        if not self._probed and buf.numel() * itemsize >= 2 * parallel.PIECE_BYTES:  # reads that several threads share
             self._probed = True
             if not raw.cached([(base, math.prod(shape) * itemsize)]) and not self.plan.nbytes:
-                self.plan = io.ReadPlan(None, io.COLD_IO_THREADS)  # type: ignore[arg-type]
+                self.plan = parallel.ReadPlan(None, parallel.COLD_IO_THREADS)  # type: ignore[arg-type]
         if sel.contiguous_rows:
             first = base + sum(a * s for a, s in zip(sel.start, strides)) * itemsize
-            view = io.tensor_buffer(buf)
-            for i in range(0, len(view), io.PIECE_BYTES):
-                piece = view[i:i + io.PIECE_BYTES]
+            view = memory.tensor_buffer(buf)
+            for i in range(0, len(view), parallel.PIECE_BYTES):
+                piece = view[i:i + parallel.PIECE_BYTES]
                 self.plan.add_job(wrap(functools.partial(raw.pread, first + i, piece)), len(piece))
             return
         if all(s == 1 for s in sel.step):
@@ -221,10 +221,10 @@ class Reads:
             return
         bits = bits_view(buf)
         fetch = functools.partial(_fetch, raw, base)
-        self.plan.add_job(wrap(functools.partial(io.gather, fetch, shape, itemsize, sel, bits)),
+        self.plan.add_job(wrap(functools.partial(parallel.gather, fetch, shape, itemsize, sel, bits)),
                           buf.numel() * itemsize)
 
-    def _box_jobs(self, raw: io.RawFile, base: int, shape: tuple[int, ...], itemsize: int, sel: Selection,
+    def _box_jobs(self, raw: files.RawFile, base: int, shape: tuple[int, ...], itemsize: int, sel: Selection,
                   buf: torch.Tensor, wrap: Callable[[Callable[[], None]], Callable[[], None]]) -> None:
         """A box that is not one byte range: runs of ``count[d]`` elements of the last partial
         dimension ``d`` (with the whole dimensions after it), one per index of the dimensions
@@ -237,10 +237,10 @@ class Reads:
         rows = sel.count[d - 1]
         exact = run >= RUN_EXACT_BYTES or (run >= RUN_SPARSE_BYTES and run * WINDOW_WASTE <= pitch)
         flat = buf.reshape(-1).view(torch.uint8)
-        view = io.tensor_buffer(buf)
+        view = memory.tensor_buffer(buf)
         first = base + (sel.start[d - 1] * strides[d - 1] + sel.start[d] * strides[d]) * itemsize
         outer = [range(a, a + c) for a, c in zip(sel.start[:d - 1], sel.count[:d - 1])]
-        per = max(1, (io.PIECE_BYTES if exact else WINDOW_BYTES) // (run if exact else pitch))
+        per = max(1, (parallel.PIECE_BYTES if exact else WINDOW_BYTES) // (run if exact else pitch))
         for k, idx in enumerate(itertools.product(*outer)):
             o = first + sum(i * s for i, s in zip(idx, strides)) * itemsize
             at = k * rows * run
@@ -269,9 +269,9 @@ class Reads:
         self.posts.clear()
 
 
-def _read_runs(raw: io.RawFile, offsets: list[int], view: memoryview, run: int) -> None:
+def _read_runs(raw: files.RawFile, offsets: list[int], view: memoryview, run: int) -> None:
     """Fill consecutive ``run``-byte slices of ``view`` from the file offsets, one system call
-    each (a short read is finished by :meth:`io.RawFile.pread`, which raises at the end of
+    each (a short read is finished by :meth:`files.RawFile.pread`, which raises at the end of
     the file)."""
     if not hasattr(raw, "_fileno"):  # not a local file: its own reads
         for i, off in enumerate(offsets):
@@ -297,7 +297,7 @@ def _window(nbytes: int) -> torch.Tensor:
     return buf[:nbytes]
 
 
-def _read_window(raw: io.RawFile, offset: int, pitch: int, run: int, n: int, dest: torch.Tensor) -> None:
+def _read_window(raw: files.RawFile, offset: int, pitch: int, run: int, n: int, dest: torch.Tensor) -> None:
     """Read ``n`` rows of ``pitch`` bytes from ``offset`` in one system call and copy the first
     ``run`` bytes of each into ``dest`` (contiguous uint8, ``n * run`` bytes)."""
     window = _window((n - 1) * pitch + run)
@@ -305,7 +305,7 @@ def _read_window(raw: io.RawFile, offset: int, pitch: int, run: int, n: int, des
     dest.view(n, run).copy_(window.as_strided((n, run), (pitch, 1)))
 
 
-def _fetch(raw: io.RawFile, base: int, off: int, view: memoryview) -> None:
+def _fetch(raw: files.RawFile, base: int, off: int, view: memoryview) -> None:
     raw.pread(base + off, view)
 
 

@@ -8,10 +8,11 @@ import math
 import os
 from typing import Any, NamedTuple
 
-from .. import io, tree
-from .. import format as fmt
-from ..dtypes import DtypeSpec, spec_for_name
 from ..errors import FormatError
+from ..format import tree
+from ..format import layout as fmt
+from ..format.dtypes import DtypeSpec, spec_for_name
+from ..storage import files
 from .index import DirectoryIndex, MAX_INDEX_BYTES, Piece, ShardedTensorEntry
 from .reads import Loc
 
@@ -29,7 +30,7 @@ _ST_MAX_HEADER = 100 * 2**20
 
 
 class _SafetensorsFile(NamedTuple):
-    raw: io.RawFile
+    raw: files.RawFile
     data_start: int
     tensors: dict[str, tuple[DtypeSpec, tuple[int, ...], int]]  # name -> (dtype, shape, offset from data_start)
     metadata: dict[str, Any]
@@ -39,7 +40,7 @@ def _read_safetensors_header(path: str) -> _SafetensorsFile:
     """Parse and check a safetensors header: every tensor's byte range inside the file and of its
     dtype's and shape's size. Raises FormatError naming the file (and the key)."""
     try:
-        raw = io.RawFile(path)
+        raw = files.RawFile(path)
     except FileNotFoundError:
         raise FormatError(f"{path}: the file is missing; the safetensors index names it") from None
     try:

@@ -10,20 +10,23 @@ from typing import Any
 
 import torch
 
-from .. import io, transfer, tree
+from .. import transfer
 from ..display import Progress, human_bytes
-from ..dtypes import bits_view
 from ..errors import FormatError, KeyNotFoundError, MismatchError, TensorStoreError
-from ..format import ValueEntry
-from ..select import Selector, closest, resolve
-from ..slicing import Selection, contiguous_stride, select as select_index
-from ..store import EntryView, _asked_once
-from ..tree import Container, Leaf
+from ..format import tree
+from ..format.dtypes import bits_view
+from ..format.layout import ValueEntry
+from ..format.slicing import Selection, contiguous_stride, select as select_index
+from ..format.tree import Container, Leaf
+from ..reading.select import Selector, closest, resolve
+from ..reading.store import EntryView
+from ..storage import memory
+from ..transfer import Device
 from .index import (
-    DCP_METADATA, DirectoryIndex, DirEntry, HF_INDEX_SUFFIX, INDEX_NAME, INDEX_VERSION, PathLike, Piece, RANK_INDEX,
-    rank_index_name, read_index, ShardedArrayEntry, ShardedTensorEntry,
+    DCP_METADATA, DirEntry, DirectoryIndex, HF_INDEX_SUFFIX, INDEX_NAME, INDEX_VERSION, PathLike, Piece, RANK_INDEX,
+    ShardedArrayEntry, ShardedTensorEntry, rank_index_name, read_index,
 )
-from .reads import _keyed, piece_overlap, Reads, Th5Files
+from .reads import Reads, Th5Files, _keyed, piece_overlap
 from .safetensors import safetensors_index
 
 __all__ = ["is_checkpoint_directory", "ShardedTensorHandle", "ShardedStore", "open_directory"]
@@ -254,7 +257,7 @@ class ShardedStore:
         """Yield ``(key path, value)`` of the selected leaves one at a time, in saved order (each
         tensor read from its pieces when it is reached; nothing is kept)."""
         included = resolve(select, self._layout.leaf_paths, self._layout.container_paths, self.path)
-        device = _asked_once(device)  # looked up when checked and again when placed
+        device = transfer.asked_once(device)  # looked up when checked and again when placed
         for entry in self._layout.select(included):
             if not isinstance(entry, Container):
                 yield entry.path, self._read_leaf(entry, device, verify)
@@ -273,7 +276,7 @@ class ShardedStore:
         """
         included = resolve(select, self._layout.leaf_paths, self._layout.container_paths, self.path)
         entries = self._layout.select(included)
-        device = _asked_once(device)  # looked up when checked and again when placed
+        device = transfer.asked_once(device)  # looked up when checked and again when placed
         bar = Progress(progress, desc=f"loading {os.path.basename(self.path.rstrip('/'))}")
         bar.total(sum(e.nbytes for e in entries if isinstance(e, (ShardedTensorEntry, ShardedArrayEntry))))
         items: list[Any] = []
@@ -288,7 +291,7 @@ class ShardedStore:
                     dev = self._check_device(device, entry.path)
                     if verify:
                         self._verify(entry)
-                    parts = self._stageable(entry) if dev is not None and _staged(dev) and transfer.batched() else None
+                    parts = self._stageable(entry) if dev is not None and transfer.staged(dev) and transfer.batched() else None
                     if parts is not None:
                         assert dev is not None
                         t = transfer.device_empty(entry.shape, entry.dtype.torch_dtype, dev, entry.path)
@@ -326,7 +329,7 @@ class ShardedStore:
             rows = piece.shape[0] if piece.shape else 1
 
             def fill(off: int, buf: torch.Tensor, loc: Any = loc) -> None:
-                _keyed(loc, lambda: loc.raw.pread(loc.offset + off, io.tensor_buffer(buf)))()
+                _keyed(loc, lambda: loc.raw.pread(loc.offset + off, memory.tensor_buffer(buf)))()
 
             parts.append((first, first + rows, fill))
         return parts
@@ -371,24 +374,13 @@ class ShardedStore:
     def _check_device(self, device: Device, key: str) -> torch.device | None:
         """The device of ``key`` (None: the CPU), checked to be usable."""
         dev = self._device(device, key)
-        if dev is not None and dev.type == "cuda" and not torch.cuda.is_available():
-            raise TensorStoreError(f"{self.path}: key {key!r}: device {str(dev)!r} is not available (this torch has no "
-                                   "usable CUDA device)")
+        if dev is not None:
+            transfer.check_available(dev, key, self.path)
         return dev
 
     def _device(self, device: Device, key: str) -> torch.device | None:
-        from ..store import _device_for
-
-        dev = _device_for(device, key)
-        if dev is None:
-            return None
-        try:
-            d = torch.device(dev)
-        except (RuntimeError, TypeError, ValueError) as e:
-            raise TensorStoreError(f"{self.path}: key {key!r}: invalid device {dev!r} ({e})") from e
-        if d.type == "meta":
-            raise TensorStoreError(f"{self.path}: key {key!r}: cannot load data onto the meta device")
-        return None if d.type == "cpu" else d
+        """The device of ``key`` (None: the CPU), not checked to be available."""
+        return transfer.target_device(device, key, self.path, available=False)
 
     def _finish(self, t: torch.Tensor, entry: ShardedTensorEntry, device: Device) -> torch.Tensor:
         dev = self._device(device, entry.path)
@@ -402,7 +394,7 @@ class ShardedStore:
 
     def _empty(self, entry: ShardedTensorEntry, shape: Sequence[int]) -> torch.Tensor:
         try:
-            return io.empty(tuple(shape), entry.dtype.torch_dtype)
+            return memory.empty(tuple(shape), entry.dtype.torch_dtype)
         except (OSError, MemoryError, RuntimeError) as e:
             nbytes = math.prod(shape) * entry.dtype.itemsize
             raise TensorStoreError(f"{self.path}: key {entry.path!r}: cannot allocate {human_bytes(nbytes)} ({e})") from e
@@ -456,7 +448,7 @@ class ShardedStore:
         try:
             reads, queued = Reads(), 0
             for entry, target in pairs:
-                parts = self._stageable(entry) if _staged(target.device) and target.is_contiguous() and \
+                parts = self._stageable(entry) if transfer.staged(target.device) and target.is_contiguous() and \
                     target.dtype == entry.dtype.torch_dtype and transfer.batched() else None
                 if parts is not None:  # device targets: straight from the files through the staging buffers
                     _queue_rows(staged, target.detach(), parts)
@@ -523,7 +515,7 @@ class ShardedStore:
             except (FormatError, KeyNotFoundError) as err:
                 problems.append(str(err))
         if not self._layout.safetensors:
-            from ..hdf5source import verify_layout
+            from ..storage.libhdf5 import verify_layout
 
             for name in self._layout.files:
                 try:
@@ -586,11 +578,6 @@ def _queue_rows(staged: dict[torch.device, list[tuple[torch.Tensor, transfer.Fil
     if parts:  # (none for a tensor without elements)
         rows = dest.reshape(dest.shape[0] if dest.dim() else 1, -1)
         staged.setdefault(dest.device, []).extend((rows[a:b], fill) for a, b, fill in parts)
-
-
-def _staged(dev: torch.device) -> bool:
-    """True for devices whose tensors a directory load fills through staging buffers (not the CPU)."""
-    return dev.type != "cpu"
 
 
 def _child(container: Any, name: str) -> Any:

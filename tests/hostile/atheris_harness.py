@@ -17,9 +17,9 @@ import ctypes
 import sys
 from collections.abc import Callable
 
-from tensorstore_h5 import codecs
-from tensorstore_h5 import format as fmt
+from tensorstore_h5.codecs import decoders as codecs
 from tensorstore_h5.errors import FormatError
+from tensorstore_h5.format import layout as fmt
 
 _CHUNK = (64, 16)  # float32 chunks of 4 KiB
 

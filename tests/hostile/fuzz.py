@@ -86,8 +86,8 @@ def _layout_range(data: bytes) -> tuple[int, int] | None:
 
 def _rehash(data: bytearray, text: bytes) -> bytes:
     """``data`` with ``text`` appended as its layout, under a valid header."""
-    from tensorstore_h5 import checksum
-    from tensorstore_h5 import format as fmt
+    from tensorstore_h5.format import checksum
+    from tensorstore_h5.format import layout as fmt
 
     out = bytearray(data)
     start = len(out)

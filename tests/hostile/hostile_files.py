@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 import tensorstore_h5 as th5
-from tensorstore_h5 import checksum, tree
-from tensorstore_h5 import format as fmt
+from tensorstore_h5.format import checksum, tree
+from tensorstore_h5.format import layout as fmt
 
 from data.make_v1 import golden as golden_v1
 

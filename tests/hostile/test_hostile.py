@@ -11,7 +11,7 @@ import torch
 
 import tensorstore_h5 as th5
 from tensorstore_h5 import cli
-from tensorstore_h5 import format as fmt
+from tensorstore_h5.format import layout as fmt
 
 from helpers import assert_same, assert_same_tensor, bits
 from hostile.hostile_files import CASES, CHECKED, DATA_DAMAGE, HARMLESS, READ_PATHS, SECRET, expected_part, read_layout

@@ -28,7 +28,7 @@ def test_decoders_accept_mutations_of_real_chunks(tmp_path, name, preset) -> Non
     t = torch.randn(256, 16) * 0.02
     th5.save({"t": t}, tmp_path / "c.h5", compression=preset, chunk_bytes=64 * 16 * 4)
     with th5.open(tmp_path / "c.h5") as s:
-        off, size, _ = s._chunked(s["t"]._entry).chunks[1]
+        off, size, _ = s._reader.chunked(s["t"]._entry).chunks[1]
     chunk = (tmp_path / "c.h5").read_bytes()[off:off + size]
     harness.TARGETS[name](chunk)
     rng = random.Random(7)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import UnsupportedTypeError
+from ..errors import UnsupportedTypeError
 
 __all__ = [
     "escape", "unescape", "join", "split", "name_for_key", "encode_value", "decode_value",

@@ -28,7 +28,7 @@ OPS = ("write key by key", "disk: buffered reads, 2 threads", "disk: O_DIRECT re
 def _child(op: str, path: str, nbytes: int, keys: int) -> dict[str, Any]:
     """Run one operation here (a fresh process) and return its figures."""
     import tensorstore_h5 as th5
-    from .bench import _read_file, _reset_peak, _status
+    from .measure import read_file, reset_peak, status
     from .synthetic import bench_tensors
 
     def largest_and_total() -> tuple[int, int]:
@@ -38,8 +38,8 @@ def _child(op: str, path: str, nbytes: int, keys: int) -> dict[str, Any]:
 
     moved = written = 0
     if op == OPS[0]:
-        _reset_peak()  # VmHWM from here: a child's ru_maxrss starts at its parent's RSS when it forked
-        base = _status("VmRSS")
+        reset_peak()  # VmHWM from here: a child's ru_maxrss starts at its parent's RSS when it forked
+        base = status("VmRSS")
         t0 = time.perf_counter()
         with th5.Writer(path) as w:
             for k, t in bench_tensors(nbytes, keys):
@@ -52,11 +52,11 @@ def _child(op: str, path: str, nbytes: int, keys: int) -> dict[str, Any]:
             names = s.keys()
             picked = names[::100]
             rows = {k: slice(0, max(1, s[k].shape[0] // 100)) for k in names}
-        _reset_peak()  # VmHWM from here: a child's ru_maxrss starts at its parent's RSS when it forked
-        base = _status("VmRSS")
+        reset_peak()  # VmHWM from here: a child's ru_maxrss starts at its parent's RSS when it forked
+        base = status("VmRSS")
         t0 = time.perf_counter()
         if op in (OPS[1], OPS[2]):
-            moved = _read_file(path, direct=op == OPS[2])
+            moved = read_file(path, direct=op == OPS[2])
         elif op == OPS[3]:
             with th5.open(path) as s:
                 for _k, t in s.items():
@@ -77,7 +77,7 @@ def _child(op: str, path: str, nbytes: int, keys: int) -> dict[str, Any]:
                 if os.path.exists(out):
                     os.unlink(out)
     seconds = time.perf_counter() - t0
-    peak = _status("VmHWM") - base
+    peak = status("VmHWM") - base
     largest, total = largest_and_total()
     return {"op": op, "seconds": seconds, "bytes": moved, "peak_rss_growth": max(0, peak), "largest": largest,
             "file_data": total, "file_bytes": os.path.getsize(path), "written": written}
@@ -90,7 +90,7 @@ def run(size_gb: float = 28.0, keys: int = 300, workdir: str | None = None, sett
     print the table; return the rows. Needs root (to drop the page cache) and twice ``size_gb``
     of free disk (the conversion writes a copy); the files are removed at the end. Raises
     RuntimeError naming a failed operation."""
-    from .bench import _drop_caches
+    from .measure import drop_caches
 
     with open("/proc/meminfo") as f:
         ram = int(f.readline().split()[1]) * 1024
@@ -100,7 +100,7 @@ def run(size_gb: float = 28.0, keys: int = 300, workdir: str | None = None, sett
     with tempfile.TemporaryDirectory(prefix="th5-past-ram-", dir=workdir) as tmp:
         path = os.path.join(tmp, "big.h5")
         for op in OPS:
-            _drop_caches()
+            drop_caches()
             time.sleep(settle)  # as the main bench settles (bench/README.md)
             cmd = [sys.executable, "-m", __name__, op, path, str(int(size_gb * 1e9)), str(keys)]
             out = subprocess.run(cmd, capture_output=True, text=True, check=False)

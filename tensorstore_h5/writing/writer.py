@@ -28,15 +28,16 @@ import h5py
 import numpy as np
 import torch
 
-from . import checksum, hdf5meta, io, remote, tree
-from . import format as fmt
-from .compression import Compression, resolve_compression
-from .display import Progress
-from .dtypes import spec_for_torch
-from .errors import TensorStoreError, UnsupportedTypeError, WriteError
-from .format import ArrayEntry, Chunked, Container, Contiguous, Entry, TensorEntry, ValueEntry
-from .slicing import has_gaps
-from .tree import Leaf
+from ..codecs.presets import Compression, resolve_compression
+from ..display import Progress
+from ..errors import UnsupportedTypeError, WriteError
+from ..format import checksum, hdf5meta, tree
+from ..format import layout as fmt
+from ..format.dtypes import bits_view, spec_for_torch
+from ..format.layout import ArrayEntry, Chunked, Container, Contiguous, Entry, TensorEntry, ValueEntry
+from ..format.slicing import has_gaps
+from ..format.tree import Leaf
+from ..storage import files, libhdf5, memory, remote
 
 __all__ = ["Writer", "save", "sweep_partials"]
 
@@ -62,7 +63,7 @@ gathered in memory and written 1 MiB at a time (one ``pwrite`` per tensor was a 
 time of saving 6,000 small tensors)."""
 
 ENCODE_METADATA = True
-"""Files without compression get their HDF5 metadata from :mod:`tensorstore_h5.hdf5meta`,
+"""Files without compression get their HDF5 metadata from :mod:`tensorstore_h5.format.hdf5meta`,
 written after the data (2,000 groups and 6,000 small datasets: ~25 ms instead of libhdf5's
 ~250-300 ms). False: libhdf5 writes it, as it does for files with compressed datasets."""
 
@@ -177,7 +178,7 @@ def sweep_partials(path: PathLike) -> list[str]:
 def _create_partial(path: str, hdf5: bool = True) -> tuple[str, int, h5py.File | None]:
     """A new temporary beside ``path``, created and locked: ``(name, descriptor, file)``, the
     file an h5py File when ``hdf5`` (libhdf5 writes the metadata), else None (an empty file,
-    its metadata encoded by :mod:`tensorstore_h5.hdf5meta`).
+    its metadata encoded by :mod:`tensorstore_h5.format.hdf5meta`).
 
     HDF5 creates the file itself: handing it an existing (even empty) file to truncate makes
     ext4 flush the whole file when HDF5 closes it (its auto_da_alloc heuristic for files
@@ -241,7 +242,7 @@ class Writer:
     Data goes to ``<dir>/.<name>.<uuid>.partial`` beside ``path``; :meth:`close` (or leaving
     the ``with`` block normally) writes the layout and header and renames the file over
     ``path``. Without compression, the data of each tensor is written at the next 64-byte
-    boundary and the HDF5 metadata, encoded by :mod:`tensorstore_h5.hdf5meta`, after it all
+    boundary and the HDF5 metadata, encoded by :mod:`tensorstore_h5.format.hdf5meta`, after it all
     at close; with compression (and for :func:`save` of a tree with a group of more than
     :data:`ENCODED_LINKS` keys), libhdf5 creates each dataset as it is written. An exception
     inside the ``with`` block, or :meth:`abort`, removes the partial file and leaves any
@@ -265,7 +266,7 @@ class Writer:
         sync: ``fsync`` the file before the rename and its directory after it.
         storage_options: for a URL target, passed to fsspec.
         direct: write the data of tensors of 1 MiB or more with ``O_DIRECT``, bypassing the
-            page cache (:class:`tensorstore_h5.io.DirectWrites`): faster where fresh page-cache
+            page cache (:class:`tensorstore_h5.storage.files.DirectWrites`): faster where fresh page-cache
             memory is slow to come by (VMs) and leaves the cache to the training job, slower
             where the disk is slower than memory. None (default): when ``sync`` is set (the bytes
             must reach the disk before the save returns anyway). Where the file system refuses
@@ -331,10 +332,10 @@ class Writer:
         self._file: h5py.File | None = file
         self._open = True
         self._replaced = _Replaced(self._target)
-        self._direct: io.DirectWrites | None = None
+        self._direct: files.DirectWrites | None = None
         self._finalizer = weakref.finalize(self, _discard, self._file, self._tmp, self._fd, self._replaced)
         if (sync if direct is None else direct):  # O_DIRECT by default only where the bytes must reach the disk
-            self._direct = io.DirectWrites.open(self._tmp, self._fd)
+            self._direct = files.DirectWrites.open(self._tmp, self._fd)
         self._entries: list[Entry] = [Container("", None, "dict")]
         self._index: dict[str, Entry] = {"": self._entries[0]}
         self._aliases: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], str]] = {}
@@ -363,7 +364,7 @@ class Writer:
         if key in self._index:
             raise ValueError(f"{self.path}: key path {key!r} was already written")
         if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-            io.streamed(value.nbytes)  # what the caller freed since the last one goes back (see io.streamed)
+            memory.streamed(value.nbytes)  # what the caller freed since the last one goes back (see memory.streamed)
         nodes = prepare(value, self.path, key, keys[-1])
         self._make_parents(names[:-1], keys[:-1], key)
         self._write_nodes(nodes)
@@ -376,10 +377,10 @@ class Writer:
             self._direct.close()
         try:
             try:
-                with io.gc_paused():
+                with memory.gc_paused():
                     text = fmt.layout_text(self._entries, self._metadata)
                 if self._meta is not None:
-                    with io.gc_paused():
+                    with memory.gc_paused():
                         offset = self._finish_metadata(text)
                 else:
                     assert self._file is not None
@@ -454,13 +455,13 @@ class Writer:
         assert self._meta is not None
         self._flush_gathered()
         at = _aligned(self._eof)
-        io.pwrite_all(self._fd, text, at)
+        files.pwrite_all(self._fd, text, at)
         self._meta.dataset(fmt.LAYOUT_DATASET, h5py.h5t.STD_U8LE, (len(text),), at, len(text))
         self._meta.root_attrs(fmt.root_attrs())
         start = _aligned(at + len(text))
         blob, root = self._meta.encode(start)
-        io.pwrite_all(self._fd, blob, start)
-        io.pwrite_all(self._fd, self._meta.superblock(root, start + len(blob)), fmt.USERBLOCK)
+        files.pwrite_all(self._fd, blob, start)
+        files.pwrite_all(self._fd, self._meta.superblock(root, start + len(blob)), fmt.USERBLOCK)
         return at
 
     def _failed(self, key: str, e: OSError) -> WriteError:
@@ -531,7 +532,7 @@ class Writer:
         self._index[entry.path] = entry
 
     def _write_nodes(self, nodes: list[Container | Leaf]) -> None:
-        with io.gc_paused():  # thousands of entries form no cycle: 6,000 small tensors saved 25% faster
+        with memory.gc_paused():  # thousands of entries form no cycle: 6,000 small tensors saved 25% faster
             self._write_each(nodes)
 
     def _write_each(self, nodes: list[Container | Leaf]) -> None:
@@ -660,12 +661,12 @@ class Writer:
             if offset is None:
                 raise OSError("HDF5 did not allocate the dataset's data")
             if t.is_cpu and t.is_contiguous():  # the common case: one pwrite from its memory
-                data = io.tensor_buffer(t)
+                data = memory.tensor_buffer(t)
                 self._pwrite(data, offset)
                 hashes = tuple(checksum.block_hashes(data, checksum.HASH_BLOCK))
             else:
                 hasher = checksum.BlockHasher(checksum.block_ends(nbytes, checksum.HASH_BLOCK))
-                io.write_tensor(dsid, h5type, t, on_bytes=hasher.update)
+                libhdf5.write_tensor(dsid, h5type, t, on_bytes=hasher.update)
                 hashes = tuple(hasher.finish())
             return dsid, Contiguous(offset, nbytes, hashes)
         chunk = tuple(int(c) for c in dcpl.get_chunk())
@@ -676,7 +677,7 @@ class Writer:
             acc += probe.span(k)[1]
             ends.append(acc)
         hasher = checksum.BlockHasher(ends)
-        io.write_tensor(dsid, h5type, t, on_bytes=hasher.update)
+        libhdf5.write_tensor(dsid, h5type, t, on_bytes=hasher.update)
         hashes = tuple(hasher.finish())
         dsid.flush()
         code, _flags, values, _name = dcpl.get_filter(0)
@@ -702,28 +703,28 @@ class Writer:
         A contiguous CPU tensor is written from its own memory, others in row blocks made
         contiguous (and moved to the CPU) one at a time."""
         if t.is_cpu and t.is_contiguous():
-            data = io.tensor_buffer(t)
+            data = memory.tensor_buffer(t)
             if nbytes < GATHER_BYTES and nbytes <= checksum.HASH_BLOCK:
                 self._gather(data, at)
                 return (checksum.digest(data),)  # one hash block
             self._pwrite(data, at)
             return tuple(checksum.block_hashes(data, checksum.HASH_BLOCK))
         hasher = checksum.BlockHasher(checksum.block_ends(nbytes, checksum.HASH_BLOCK))
-        bits, shape = io.bits_view(t), tuple(t.shape)
-        for first, stop in io.row_blocks(shape, t.element_size(), io.BLOCK_BYTES):
+        bits, shape = bits_view(t), tuple(t.shape)
+        for first, stop in libhdf5.row_blocks(shape, t.element_size(), libhdf5.BLOCK_BYTES):
             block = (bits[first:stop] if shape else bits).contiguous().cpu()
-            data = io.tensor_buffer(block)
+            data = memory.tensor_buffer(block)
             self._pwrite(data, at)
             hasher.update(data)
             at += block.numel() * block.element_size()
         return tuple(hasher.finish())
 
     def _pwrite(self, data: memoryview, at: int) -> None:
-        """Write ``data`` at ``at``: through :class:`io.DirectWrites` when it is on."""
+        """Write ``data`` at ``at``: through :class:`files.DirectWrites` when it is on."""
         if self._direct is not None:
             self._direct.pwrite(data, at)
         else:
-            io.pwrite_all(self._fd, data, at)
+            files.pwrite_all(self._fd, data, at)
 
     def _gather(self, data: memoryview, at: int) -> None:
         """Add ``data``, bound for offset ``at``, to the gathered bytes (the gap that alignment
@@ -740,7 +741,7 @@ class Writer:
 
     def _flush_gathered(self) -> None:
         if self._gathered:
-            io.pwrite_all(self._fd, self._gathered, self._gathered_at)
+            files.pwrite_all(self._fd, self._gathered, self._gathered_at)
             self._gathered = bytearray()
 
     def _space(self, shape: tuple[int, ...]) -> Any:
@@ -918,7 +919,7 @@ def save(
             cannot be stored without pickle; nothing is written.
         WriteError: (an OSError) the file cannot be written (disk full, I/O error); nothing changes.
     """
-    with io.gc_paused():
+    with memory.gc_paused():
         nodes = prepare(obj, path if isinstance(path, str) else os.fspath(path) if isinstance(path, os.PathLike)
                         else remote.FileObjSource.name_of(path))
     with Writer(path, compression=compression, metadata=metadata, progress=progress, chunk_bytes=chunk_bytes,

@@ -7,7 +7,7 @@ import fnmatch
 from collections.abc import Callable, Iterable, Sequence
 from typing import Union
 
-from .errors import KeyNotFoundError
+from ..errors import KeyNotFoundError
 
 __all__ = ["Selector", "resolve", "is_pattern", "closest"]
 

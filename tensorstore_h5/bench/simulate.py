@@ -20,8 +20,9 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .. import io, sharded
-from .backend import H5StorageWriter, _Stored, key_path
+from .. import sharded
+from ..distributed.backend import H5StorageWriter, _Stored, key_path
+from ..storage import memory
 
 __all__ = ["shard_bounds", "save_as_ranks", "index_size", "index_scaling", "llama_shapes"]
 
@@ -123,7 +124,7 @@ def index_size(shapes: Mapping[str, tuple[int, ...]], ranks: int, dim: int = 0,
     import time
 
     t0 = time.perf_counter()  # what the coordinator's finish does before it writes the index
-    with io.gc_paused():
+    with memory.gc_paused():
         text = sharded.index_text(writer._index(metadata, results, None))
         sharded.parse_index(text, "tensorstore_h5.json").entries
     finish_s = time.perf_counter() - t0
@@ -170,7 +171,7 @@ def index_scaling(shapes: Mapping[str, tuple[int, ...]], ranks: tuple[int, ...] 
     (``read_s``: parse, check every entry and its pieces, build DCP's Metadata)."""
     import time
 
-    from .backend import dcp_metadata
+    from ..distributed.backend import dcp_metadata
 
     rows = []
     for n in ranks:

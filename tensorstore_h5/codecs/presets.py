@@ -12,8 +12,8 @@ from typing import Any, Union
 import h5py
 import torch
 
-from .dtypes import DtypeSpec
-from .format import BITSHUFFLE_ID, FILTERS
+from ..format.dtypes import DtypeSpec
+from ..format.layout import BITSHUFFLE_ID, FILTERS
 
 __all__ = [
     "PRESETS", "DEFAULT_CHUNK_BYTES", "MIN_COMPRESS_BYTES", "Compression", "Policy",

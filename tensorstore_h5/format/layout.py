@@ -21,10 +21,10 @@ from typing import Any, Union
 import h5py
 import numpy as np
 
+from ..errors import FormatError
 from . import checksum, tree
-from .dtypes import DtypeSpec, spec_for_name
 from .constants import FORMAT_VERSION
-from .errors import FormatError
+from .dtypes import DtypeSpec, spec_for_name
 from .slicing import contiguous_stride, has_gaps, stride_span
 from .tree import Container
 

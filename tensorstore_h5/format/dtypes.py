@@ -22,7 +22,7 @@ import h5py
 import numpy as np
 import torch
 
-from .errors import UnsupportedTypeError
+from ..errors import UnsupportedTypeError
 
 __all__ = ["DtypeSpec", "REGISTRY", "spec_for_torch", "spec_for_name", "spec_for_numpy", "bits_view"]
 

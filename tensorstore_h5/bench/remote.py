@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import io, remote
-from .httpranges import RangeClient
+from ..storage import memory, remote
+from ..storage.httpranges import RangeClient
+from ..storage.memory import tensor_buffer
 
 __all__ = ["run"]
 
@@ -94,11 +95,11 @@ def run(size_gb: float = 0.5, keys: int = 100, repeat: int = 3, latencies: tuple
 
                     def memory(n: int) -> memoryview:
                         at[0] += n
-                        return io.tensor_buffer(reused[at[0] - n:at[0]])
+                        return tensor_buffer(reused[at[0] - n:at[0]])
                     return sockets_into(memory)
 
                 def raw_sockets_fresh() -> list[memoryview]:
-                    return sockets_into(lambda n: io.tensor_buffer(io.empty((n,), torch.uint8)))
+                    return sockets_into(lambda n: memory.tensor_buffer(memory.empty((n,), torch.uint8)))
 
                 def raw_fill() -> list[torch.Tensor]:  # what a loader adds: new tensors, the bytes copied in
                     pieces, out = iter(raw()), []

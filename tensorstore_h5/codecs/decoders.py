@@ -1,7 +1,7 @@
 """Decoding compressed chunks: in parallel, and with every chunk checked before a decoder sees it.
 
 HDF5 decodes a filtered dataset one chunk at a time, under h5py's global lock, on one core,
-and trusts every chunk. Here the stored chunks of a :class:`~tensorstore_h5.format.Chunked`
+and trusts every chunk. Here the stored chunks of a :class:`~tensorstore_h5.format.layout.Chunked`
 extent are read with ``os.preadv`` and decoded by the very filter libraries that
 ``hdf5plugin`` ships (through ``ctypes``, which releases the GIL) on the I/O thread pool.
 Because every chunk is one consecutive run of the logical bytes, a compressed dataset is
@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import checksum
-from .format import BITSHUFFLE_ID, BLOSC2_ID, Chunked
-from .io import run_jobs
+from ..format import checksum
+from ..format.layout import BITSHUFFLE_ID, BLOSC2_ID, Chunked
+from ..storage.parallel import run_jobs
 
 __all__ = ["DECODE_COST", "DecodeError", "ChunkReader", "decoder_for"]
 

@@ -1,6 +1,6 @@
 """Byte sources other than a local file: fsspec URLs (``https://``, ``s3://``, ...) and file objects.
 
-A source has what :class:`tensorstore_h5.io.RawFile` has (``path``, ``size``, ``pread``,
+A source has what :class:`tensorstore_h5.storage.files.RawFile` has (``path``, ``size``, ``pread``,
 ``read``, ``close``) and, for remote ones, :meth:`RemoteSource.prefetch`: the reader names
 every byte range it is about to read, and the source fetches them in few requests
 (neighbouring ranges coalesced, independent ones concurrently), so that a partial load moves
@@ -8,7 +8,7 @@ only its own bytes plus the layout. Opening a format-2 file costs one round trip
 64-byte header, the object's size and its last :data:`TAIL_BYTES` (where the layout lies) are
 asked for at the same time; a longer layout, or a server without suffix ranges, costs one more.
 
-Over ``http://`` and ``https://`` the ranges' bytes come by :mod:`tensorstore_h5.httpranges`
+Over ``http://`` and ``https://`` the ranges' bytes come by :mod:`tensorstore_h5.storage.httpranges`
 (plain keep-alive connections receiving into the caller's memory, see :data:`PLAIN_HTTP`);
 every answer that carries layout or tensor bytes has its range checked on either path.
 
@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import io
-from .errors import TensorStoreError
+from ..errors import TensorStoreError
+from . import files
 from .httpranges import HTTPStatusError, RangeAnswerError, RangeClient, VersionError, check_answer, parse_content_range
 
 __all__ = ["RETRIES", "MAX_GAP", "REQUEST_BYTES", "BATCH_BYTES", "FETCH_AHEAD", "TAIL_BYTES", "DIRECT_BYTES",
@@ -77,7 +77,7 @@ together, coalesced, and copied."""
 
 
 PLAIN_HTTP = True
-"""Read the bytes of ``http://`` and ``https://`` URLs with :class:`tensorstore_h5.httpranges.RangeClient`
+"""Read the bytes of ``http://`` and ``https://`` URLs with :class:`tensorstore_h5.storage.httpranges.RangeClient`
 (plain keep-alive connections from :data:`CONNECTIONS` threads, each body received by the kernel
 straight into the tensor's memory) rather than through fsspec's aiohttp session (bodies
 received as bytes objects on one event-loop thread, then copied). Where ``storage_options``
@@ -161,12 +161,12 @@ def local_path(target: Any) -> str | None:
 
 
 def open_source(target: Any, storage_options: dict[str, Any] | None = None, retries: int | None = None) -> Any:
-    """A byte source for a path, a ``file://`` URL (both: :class:`io.RawFile`), another
+    """A byte source for a path, a ``file://`` URL (both: :class:`files.RawFile`), another
     fsspec URL (:class:`RemoteSource`) or a readable, seekable binary file object
     (:class:`FileObjSource`)."""
     path = local_path(target)
     if path is not None:
-        return io.RawFile(path)
+        return files.RawFile(path)
     if is_fileobj(target):
         return FileObjSource(target)
     if is_url(target):
@@ -232,7 +232,7 @@ class RemoteSource:
     @property
     def populate(self) -> bool:
         """Whether memory that :meth:`fetch` streams into is better made with its pages (see
-        :func:`tensorstore_h5.io.empty`): where fsspec's event loop receives, its faults
+        :func:`tensorstore_h5.storage.memory.empty`): where fsspec's event loop receives, its faults
         would be taken holding the GIL; the plain client's are taken in ``recv_into``,
         without it, on many threads at once (0.5 GB loads ~10 % faster than populated)."""
         return self._client is None
@@ -380,7 +380,7 @@ class RemoteSource:
     def _get(self, start: int, end: int, allow_short: bool = False) -> bytes:
         """Bytes ``start..end`` by one request; ``allow_short``: fewer where the object ends
         before ``end`` (its header, before its size is known). Over HTTP every other answer's
-        range is checked (see :func:`tensorstore_h5.httpranges.check_answer`)."""
+        range is checked (see :func:`tensorstore_h5.storage.httpranges.check_answer`)."""
         if not allow_short and (self._client is not None or self._streams()):
             buf = bytearray(end - start)
             self.fetch([], [(start, memoryview(buf))])
@@ -439,7 +439,7 @@ class RemoteSource:
 
         Raises RemoteError (naming the URL) when a request fails for good or a server
         ignores or cuts a range."""
-        merged = [[s, min(b, s + REQUEST_BYTES)] for a, b in io.coalesce(ranges, MAX_GAP)
+        merged = [[s, min(b, s + REQUEST_BYTES)] for a, b in files.coalesce(ranges, MAX_GAP)
                   for s in range(a, b, REQUEST_BYTES)]
         direct = [(at + a, view[a:a + REQUEST_BYTES]) for at, view in into for a in range(0, len(view), REQUEST_BYTES)]
         if not merged and not direct:
@@ -541,7 +541,7 @@ class RemoteSource:
 
     async def _stream_into(self, start: int, view: memoryview) -> None:
         """One range GET on fsspec's session whose body is copied, as it arrives, into ``view``;
-        the answer's range is checked (:func:`tensorstore_h5.httpranges.check_answer`)."""
+        the answer's range is checked (:func:`tensorstore_h5.storage.httpranges.check_answer`)."""
         end = start + len(view)
         got = 0
         for again in (False, True):  # again: after a 412 from a server whose preconditions are not to be trusted
@@ -612,7 +612,7 @@ class RemoteSource:
 
     def close(self) -> None:
         """Drop the prefetched bytes (idle connections and request threads stay for the next
-        source, see :data:`tensorstore_h5.httpranges.IDLE_PER_HOST`)."""
+        source, see :data:`tensorstore_h5.storage.httpranges.IDLE_PER_HOST`)."""
         self.release()
 
     def _fileno(self) -> int:

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .compression import Compression
-from .dtypes import bits_view
-from .slicing import contiguous_stride, has_gaps, stride_span
-from .tree import Container, Leaf
+from ..codecs.presets import Compression
+from ..format.dtypes import bits_view
+from ..format.slicing import contiguous_stride, has_gaps, stride_span
+from ..format.tree import Container, Leaf
 from .writer import PathLike, Writer, few_links_in, prepare
 
 __all__ = ["save_async", "SaveFuture"]

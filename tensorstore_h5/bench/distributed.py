@@ -16,7 +16,7 @@ every load, rank 0 reads each file of the checkpoint once, untimed, so both back
 (``cold_loads``: it drops the page cache instead, root). GB/s = global bytes / slowest rank's
 time.
 
-    python -m tensorstore_h5.bench_distributed --size-gb 1.07 --repeat 3
+    python -m tensorstore_h5.bench.distributed --size-gb 1.07 --repeat 3
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _worker(rank: int, world: int, port: int, size: int, keys: int, repeat: int,
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from .distributed import H5StorageReader, H5StorageWriter
+    from ..distributed import H5StorageReader, H5StorageWriter
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -143,18 +143,18 @@ def _worker(rank: int, world: int, port: int, size: int, keys: int, repeat: int,
 
 def _read_directory(path: str) -> None:
     """Read every file of ``path`` once (into the page cache)."""
-    from .bench import _read_file
+    from .measure import read_file
 
     for name in sorted(os.listdir(path)):
-        _read_file(os.path.join(path, name), direct=False)
+        read_file(os.path.join(path, name), direct=False)
 
 
 def _drop_page_cache() -> None:
     """Write back and drop the page cache (root); otherwise say so on stderr and go on."""
-    from .bench import Skip, _drop_caches
+    from .measure import Skip, drop_caches
 
     try:
-        _drop_caches()
+        drop_caches()
     except Skip as e:
         print(f"bench --distributed: {e}; loads are warm for FileSystemReader", file=sys.stderr)
 
@@ -176,7 +176,7 @@ def run(size_gb: float = 2**30 / 1e9, keys: int = 64, repeat: int = 3, ranks: Se
 
     if settle is None:
         try:
-            from .bench import settle_seconds
+            from .measure import settle_seconds
 
             settle = settle_seconds()
         except ImportError:
@@ -232,7 +232,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tensorstore_h5.bench_distributed", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tensorstore_h5.bench.distributed", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     a = p.parse_args(argv)
     rows = run(a.size_gb, a.keys, a.repeat, tuple(int(r) for r in a.ranks.split(",")), a.dir, a.settle,

@@ -1,6 +1,8 @@
-"""Files read through libhdf5 (format 1 and foreign HDF5 files), with the hostile-file checks.
+"""Files read and written through libhdf5 (h5py): format-1 and foreign HDF5 files, with the
+hostile-file checks, and tensor data moved by HDF5's own reads and writes (hyperslabs,
+filters, type conversion).
 
-Format-2 files are read from their header and layout alone (``format.py``); this module is
+Format-2 files are read from their header and layout alone (:mod:`..format.layout`); this module is
 for files whose byte locations only HDF5's metadata knows, and for ``verify``, which checks a
 format-2 layout against that metadata. Before a dataset's bytes are read, every link on its
 path must be a hard link (no soft link that leaves the path, no external link), the dataset
@@ -17,18 +19,23 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import h5py
+import numpy as np
+import torch
 
-from . import format as fmt
-from .dtypes import spec_for_numpy
-from .errors import FormatError
-from .format import ArrayEntry, Chunked, Container, Contiguous, Extent, ForeignEntry, Layout, TensorEntry
+from ..errors import FormatError
+from ..format import layout as fmt
+from ..format.dtypes import bits_view, spec_for_numpy
+from ..format.layout import ArrayEntry, Chunked, Container, Contiguous, Extent, ForeignEntry, Layout, TensorEntry
+from ..format.slicing import Selection, rows
+from .memory import tensor_bytes
 
-__all__ = ["H5_ERRORS", "HDF5Read", "open_file", "read_layout", "foreign_layout", "locate", "verify_layout"]
+__all__ = ["H5_ERRORS", "HDF5Read", "open_file", "read_layout", "foreign_layout", "locate", "verify_layout",
+           "BLOCK_BYTES", "read_hdf5", "write_hdf5", "row_blocks", "write_tensor"]
 
 H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, AttributeError, UnicodeDecodeError)
 """What h5py raises for damaged files."""
@@ -323,3 +330,71 @@ def verify_layout(path: str, layout: Layout, source: Any = None) -> Iterator[str
         for (a0, a1, ka), (b0, b1, kb) in zip(ranges, ranges[1:]):
             if b0 < a1:
                 yield f"the data of keys {ka!r} and {kb!r} overlap (bytes {b0}..{min(a1, b1)})"
+
+
+BLOCK_BYTES = 64 * 2**20
+"""Largest extra buffer (bytes) a write of a non-contiguous or device tensor holds at once."""
+
+
+def _spaces(sel: Selection | None, dsid: h5py.h5d.DatasetID) -> tuple[h5py.h5s.SpaceID, h5py.h5s.SpaceID]:
+    if sel is None or sel.full:
+        return h5py.h5s.ALL, h5py.h5s.ALL
+    fspace = dsid.get_space()
+    fspace.select_hyperslab(sel.start, sel.count, sel.step)
+    return h5py.h5s.create_simple(sel.count), fspace
+
+
+def read_hdf5(dsid: h5py.h5d.DatasetID, mtype: h5py.h5t.TypeID, out: torch.Tensor, sel: Selection | None = None) -> None:
+    """Read the selection (all of it by default) into ``out``, a contiguous CPU tensor with the
+    selection's number of elements. ``mtype`` is the memory type: the file's own type makes
+    HDF5 copy raw bytes, another type makes it convert."""
+    if out.numel() == 0:
+        return
+    mspace, fspace = _spaces(sel, dsid)
+    dsid.read(mspace, fspace, tensor_bytes(out), mtype=mtype)
+
+
+def write_hdf5(dsid: h5py.h5d.DatasetID, mtype: h5py.h5t.TypeID, src: torch.Tensor, sel: Selection | None = None) -> np.ndarray:
+    """Write ``src`` (contiguous, CPU) into the selection (all of the dataset by default);
+    returns the bytes written (a uint8 view of ``src``)."""
+    data = tensor_bytes(src)
+    if src.numel():
+        mspace, fspace = _spaces(sel, dsid)
+        dsid.write(mspace, fspace, data, mtype=mtype)
+    return data
+
+
+def row_blocks(shape: tuple[int, ...], itemsize: int, block_bytes: int = BLOCK_BYTES) -> Iterator[tuple[int, int]]:
+    """``(first, stop)`` row ranges of dimension 0 holding at most ``block_bytes`` each
+    (at least one row)."""
+    if not shape:
+        yield 0, 1
+        return
+    row = max(1, itemsize * int(np.prod(shape[1:], dtype=np.int64)))
+    step = max(1, block_bytes // row)
+    for first in range(0, shape[0], step):
+        yield first, min(shape[0], first + step)
+
+
+def write_tensor(dsid: h5py.h5d.DatasetID, mtype: h5py.h5t.TypeID, t: torch.Tensor, block_bytes: int | None = None,
+                 on_bytes: Callable[[np.ndarray], None] | None = None) -> None:
+    """Write the logical (row-major) values of any strided tensor ``t`` to the whole dataset.
+
+    A contiguous CPU tensor is written from its own memory; otherwise row blocks of at most
+    ``block_bytes`` (default :data:`BLOCK_BYTES`) are made contiguous (and moved to the CPU)
+    one at a time. ``on_bytes`` sees every byte written, in order (to hash them).
+    """
+    if t.numel() == 0:
+        return
+    if t.device.type == "cpu" and t.is_contiguous():
+        data = write_hdf5(dsid, mtype, t)
+        if on_bytes is not None:
+            on_bytes(data)
+        return
+    bits = bits_view(t)
+    shape = tuple(t.shape)
+    for first, stop in row_blocks(shape, t.element_size(), block_bytes or BLOCK_BYTES):
+        block = bits[first:stop] if shape else bits
+        data = write_hdf5(dsid, mtype, block.contiguous().cpu(), rows(shape, first, stop) if shape else None)
+        if on_bytes is not None:
+            on_bytes(data)

@@ -1,7 +1,7 @@
 """Range GETs of one ``http://`` or ``https://`` object over plain keep-alive connections, each
 body received straight into the caller's memory.
 
-:class:`tensorstore_h5.remote.RemoteSource` reads the bytes of http(s) URLs with a
+:class:`tensorstore_h5.storage.remote.RemoteSource` reads the bytes of http(s) URLs with a
 :class:`RangeClient` from its own threads: ``http.client`` hands a response's body to
 ``socket.recv_into`` (through the socket file's ``readinto``), which writes into the tensor's
 memory without the interpreter lock, so several connections receive at once and each byte is

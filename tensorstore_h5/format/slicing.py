@@ -2,7 +2,7 @@
 and the arithmetic of strides (row-major strides, storage spans, gaps).
 
 Every read path turns its index into a :class:`Selection` here, once.
-(Key selection, ``select=``, lives in ``select.py``.)
+(Key selection, ``select=``, lives in ``reading/select.py``.)
 """
 
 from __future__ import annotations

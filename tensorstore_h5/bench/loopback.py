@@ -3,7 +3,7 @@ of a directory, with byte ranges, counting every request and byte it sends, with
 and misbehaving on request (errors, ignored ranges, dropped connections, short answers).
 127.0.0.1 only, on a free port; :meth:`RangeServer.stop` stops it.
 
-:class:`ServerProcess` runs one in a process of its own (``python -m tensorstore_h5.loopback``),
+:class:`ServerProcess` runs one in a process of its own (``python -m tensorstore_h5.bench.loopback``),
 driven through a control path: a server inside the measuring process would take turns with
 the client for its interpreter lock, which no real server does."""
 
@@ -249,7 +249,7 @@ class ServerProcess:
     child ends with :meth:`stop`, or when this process ends (it serves until its stdin closes)."""
 
     def __init__(self, root: str | Path) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-m", "tensorstore_h5.loopback", str(root)],
+        self._proc = subprocess.Popen([sys.executable, "-m", "tensorstore_h5.bench.loopback", str(root)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self._proc.stdout.readline() if self._proc.stdout else ""
         if not line.strip().isdigit():
@@ -279,11 +279,11 @@ class ServerProcess:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tensorstore_h5.loopback ROOT``: serve ROOT with the control path on a free port
+    """``python -m tensorstore_h5.bench.loopback ROOT``: serve ROOT with the control path on a free port
     of 127.0.0.1, print the port, and serve until standard input closes."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or not Path(args[0]).is_dir():
-        print("usage: python -m tensorstore_h5.loopback DIRECTORY", file=sys.stderr)
+        print("usage: python -m tensorstore_h5.bench.loopback DIRECTORY", file=sys.stderr)
         return 2
     server = RangeServer(args[0], control=True)
     print(server.port, flush=True)

@@ -161,8 +161,10 @@ def test_remote_bench_measures_every_operation_and_counts_bytes_on_the_server() 
     lines: list[str] = []
     rows = bench_remote.run(0.02, keys=20, repeat=2, latencies=(0.0,), echo=lines.append)
     by = {r["name"]: r for r in rows}
-    assert len(rows) == 8 and all(r["seconds"] <= r["median_seconds"] for r in rows)
+    assert len(rows) == 9 and all(r["seconds"] <= r["median_seconds"] for r in rows)
     full, select = by["tensorstore_h5 load(url)"], by["tensorstore_h5 select 1% of keys"]
+    through_fsspec = by[bench_remote.FSSPEC_LOAD]  # the same load through fsspec's session: the same bytes
+    assert through_fsspec["moved_mb"] == pytest.approx(full["moved_mb"], rel=0.05) and through_fsspec["requests"] > 0
     for raw in (bench_remote.SOCKETS, bench_remote.SOCKETS_FRESH):  # the same bytes as the load's tensors
         assert by[raw]["moved_mb"] * 1e6 == by["raw limit: concurrent range GETs of the data"]["moved_mb"] * 1e6 \
             >= full["bytes"]
@@ -170,3 +172,7 @@ def test_remote_bench_measures_every_operation_and_counts_bytes_on_the_server() 
     assert select["bytes"] <= select["moved_mb"] * 1e6 < 0.2 * full["bytes"]  # 1 key of 20 (+ the layout)
     assert any("full load / raw limit" in line for line in lines)
     assert any("full load / raw limit by plain sockets, fresh memory" in line for line in lines)
+    assert any("full load: own HTTP client vs fsspec's" in line for line in lines)
+    from tensorstore_h5.storage import remote
+
+    assert remote.PLAIN_HTTP is True  # the fsspec row set it back

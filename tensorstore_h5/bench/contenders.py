@@ -652,6 +652,16 @@ def _(ctx: Ctx) -> Timed:
     return (lambda: th5.save(obj, ctx.path("small.h5"))), 2000 * (4 + 128)
 
 
+@contender("S.libhdf5 metadata: tensorstore_h5 save small objects", "small-write")
+def _(ctx: Ctx) -> Timed:
+    import tensorstore_h5 as th5
+    from ..writing import writer
+
+    writer.ENCODE_METADATA = False  # what format/hdf5meta.py replaces: libhdf5 creates the groups and datasets
+    obj = _small_objects()
+    return (lambda: th5.save(obj, ctx.path("small-libhdf5.h5"))), 2000 * (4 + 128)
+
+
 @contender("S.torch.save small objects", "small-write")
 def _(ctx: Ctx) -> Timed:
     obj = _small_objects()

@@ -3,7 +3,8 @@ process of its own, with and without added latency) against the raw limit and sa
 the same way.
 
 For each latency: a full load, a 1 % select (1 % of the keys) and a 1 % row slice of every
-tensor through ``th5.load(url)`` / ``th5.open(url)``; the raw limit, every byte range of the
+tensor through ``th5.load(url)`` / ``th5.open(url)``; the same full load through fsspec's
+aiohttp session (``remote.PLAIN_HTTP = False``: what the library's own HTTP client replaces); the raw limit, every byte range of the
 tensors' data fetched by concurrent range GETs of 8 MiB three ways: as fsspec issues them
 (bytes objects), and by plain sockets from :data:`remote.CONNECTIONS` threads into one buffer
 reused from round to round (no page faults: the floor of moving the bytes here) or into fresh
@@ -35,6 +36,7 @@ __all__ = ["run"]
 
 SOCKETS = "raw limit: plain sockets, one reused buffer"
 SOCKETS_FRESH = "raw limit: plain sockets, fresh memory"
+FSSPEC_LOAD = "tensorstore_h5 load(url), fsspec client"
 
 
 def run(size_gb: float = 0.5, keys: int = 100, repeat: int = 3, latencies: tuple[float, ...] = (0.0, 0.02),
@@ -115,6 +117,13 @@ def run(size_gb: float = 0.5, keys: int = 100, repeat: int = 3, latencies: tuple
                 def load() -> Any:
                     return th5.load(url, storage_options={"skip_instance_cache": True})
 
+                def load_fsspec() -> Any:  # the same load through fsspec's aiohttp session
+                    plain, remote.PLAIN_HTTP = remote.PLAIN_HTTP, False
+                    try:
+                        return th5.load(url, storage_options={"skip_instance_cache": True})
+                    finally:
+                        remote.PLAIN_HTTP = plain
+
                 def select() -> Any:
                     return th5.load(url, select=picked)
 
@@ -130,6 +139,7 @@ def run(size_gb: float = 0.5, keys: int = 100, repeat: int = 3, latencies: tuple
                        (SOCKETS_FRESH, raw_sockets_fresh, nbytes),
                        ("raw limit + copy into new tensors", raw_fill, nbytes),
                        ("tensorstore_h5 load(url)", load, nbytes),
+                       (FSSPEC_LOAD, load_fsspec, nbytes),
                        ("safetensors: download + load", st_whole, nbytes),
                        ("tensorstore_h5 select 1% of keys", select, picked_bytes),
                        ("tensorstore_h5 1% row slice of every tensor (read_many)", slices, slice_bytes))
@@ -173,6 +183,7 @@ def run(size_gb: float = 0.5, keys: int = 100, repeat: int = 3, latencies: tuple
         ratio("full load / raw limit by plain sockets, fresh memory", SOCKETS_FRESH, full)
         ratio("full load / raw limit + copy into new tensors", "raw limit + copy into new tensors", full)
         ratio("full load vs safetensors download + load", "safetensors: download + load", full)
+        ratio("full load: own HTTP client vs fsspec's (remote.PLAIN_HTTP = False)", FSSPEC_LOAD, full)
         ratio(f"time: select 1% / full load ({picked_bytes / nbytes:.1%} of the bytes)", "tensorstore_h5 select 1% of keys",
               full)
         ratio(f"time: 1% row slices / full load ({slice_bytes / nbytes:.1%} of the bytes)",

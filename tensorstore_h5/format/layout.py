@@ -32,7 +32,8 @@ __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "READ_VERSIONS", "ROOT_DATASET", "PACK_GROUP", "LAYOUT_DATASET", "USERBLOCK",
     "HEADER_SIZE", "MAGIC", "HDF5_SIGNATURE", "ALIGNMENT", "ATTR_FORMAT", "ATTR_VERSION", "ATTR_LAYOUT",
     "ATTR_METADATA", "ATTR_TORCH_DTYPE", "ATTR_STRIDE", "FILTERS", "BITSHUFFLE_ID", "BLOSC2_ID", "Header",
-    "pack_header", "parse_header", "Contiguous", "Chunked", "Extent", "Container", "TensorEntry", "ArrayEntry",
+    "pack_header", "parse_header", "Contiguous", "Chunked", "Extent", "Container", "TensorSizes", "TensorEntry",
+    "ArrayEntry",
     "ValueEntry", "ForeignEntry", "Entry", "Layout", "parse_layout", "parse_layout_v2", "read_layout_v1",
     "layout_text", "write_root_attrs", "write_dataset_attrs", "check_metadata", "contiguous_stride", "stride_span",
     "has_gaps", "claims_format", "decode_lines", "READ_AHEAD_MIN", "READ_AHEAD_MAX", "key_structure", "key_json",
@@ -253,8 +254,25 @@ Extent = Union[Contiguous, Chunked]
 # ---------------------------------------------------------------------------- entries
 
 
+class TensorSizes:
+    """``numel`` and ``nbytes`` of a tensor entry (of a file or of a directory's index) from its
+    ``shape`` and ``dtype`` (a :class:`DtypeSpec`)."""
+
+    shape: tuple[int, ...]
+    dtype: DtypeSpec
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's data."""
+        return self.numel * self.dtype.itemsize
+
+
 @dataclass(frozen=True, init=False)
-class TensorEntry:
+class TensorEntry(TensorSizes):
     """A tensor leaf stored as the dataset ``dataset``.
 
     ``stride`` is None for row-major tensors. ``same_as`` names the key path of an earlier
@@ -289,14 +307,6 @@ class TensorEntry:
         self.__dict__.update(path=path, key=key, dtype=dtype, shape=shape, dataset=dataset, stride=stride,
                              same_as=same_as, parameter=parameter, requires_grad=requires_grad, foreign=foreign,
                              packed=packed, extent=extent)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

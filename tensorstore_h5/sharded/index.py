@@ -162,7 +162,7 @@ def _piece_name(names: Sequence[str] | None, i: int) -> str:
 
 
 @dataclass(frozen=True)
-class ShardedTensorEntry:
+class ShardedTensorEntry(fmt.TensorSizes):
     """A tensor of a directory: its global dtype and shape, and its pieces."""
 
     path: str
@@ -172,14 +172,6 @@ class ShardedTensorEntry:
     pieces: tuple[Piece, ...]
     parameter: bool = False
     requires_grad: bool = False
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

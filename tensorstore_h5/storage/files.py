@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 __all__ = [
-    "WRITE_CALL_BYTES", "READAHEAD_BYTES", "coalesce", "RawFile", "FileMap", "pwrite_all", "DIRECT_ALIGN",
+    "WRITE_CALL_BYTES", "READAHEAD_BYTES", "coalesce", "Source", "RawFile", "FileMap", "pwrite_all", "DIRECT_ALIGN",
     "DIRECT_MIN_BYTES", "DIRECT_BUFFER_BYTES", "DirectWrites",
 ]
 
@@ -43,7 +43,37 @@ def coalesce(ranges: Sequence[tuple[int, int]], max_gap: int) -> list[list[int]]
     return joined
 
 
-class RawFile:
+class Source:
+    """What every byte source gives a reader (docs/ARCHITECTURE.md, "A storage backend"):
+    ``path`` (for messages), ``size`` (bytes) and :meth:`pread`; :meth:`read` and :meth:`head`
+    follow from those. Sources read where the bytes lie, so :meth:`prefetch` and
+    :meth:`release` do nothing; a source that fetches ahead (``remote.RemoteSource``) has its own."""
+
+    path: str
+    size: int
+
+    def pread(self, offset: int, view: memoryview) -> None:
+        """Fill ``view`` with the bytes at ``offset``. Raises EOFError past the end."""
+        raise NotImplementedError
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """``nbytes`` bytes at ``offset`` (EOFError past the end of the file)."""
+        buf = bytearray(nbytes)
+        self.pread(offset, memoryview(buf))
+        return bytes(buf)
+
+    def head(self, nbytes: int) -> bytes:
+        """The first ``nbytes`` bytes (fewer in a shorter file)."""
+        return self.read(0, min(self.size, nbytes))
+
+    def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Nothing to do: the bytes are read where they lie (remote sources fetch here)."""
+
+    def release(self) -> None:
+        """Nothing to do (see :meth:`prefetch`)."""
+
+
+class RawFile(Source):
     """Positional reads of one open file's bytes straight into tensor memory, and its mapping.
 
     The file is opened once (or adopted from ``fd``); every read goes to that open file, so
@@ -70,22 +100,6 @@ class RawFile:
             if got == 0:
                 raise EOFError(f"{self.path}: file ends at byte {offset + done}, {n - done} bytes short (truncated?)")
             done += got
-
-    def read(self, offset: int, nbytes: int) -> bytes:
-        """``nbytes`` bytes at ``offset`` (EOFError past the end of the file)."""
-        buf = bytearray(nbytes)
-        self.pread(offset, memoryview(buf))
-        return bytes(buf)
-
-    def head(self, nbytes: int) -> bytes:
-        """The first ``nbytes`` bytes (fewer in a shorter file)."""
-        return self.read(0, min(self.size, nbytes))
-
-    def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:
-        """Nothing to do: a local file is read where it lies (remote sources fetch here)."""
-
-    def release(self) -> None:
-        """Nothing to do (see :meth:`prefetch`)."""
 
     def cached(self, ranges: Sequence[tuple[int, int]], probes: int = 8) -> bool:
         """Whether the page cache holds the first and last byte of up to ``probes`` of the

@@ -619,7 +619,7 @@ class RemoteSource:
         raise ValueError(f"{self.path}: a remote object has no file descriptor")
 
 
-class FileObjSource:
+class FileObjSource(files.Source):
     """A readable, seekable binary file object, read by byte ranges (under a lock: the
     object has one position)."""
 
@@ -660,17 +660,6 @@ class FileObjSource:
         name = getattr(f, "name", None)
         return name if isinstance(name, str) else f"<{type(f).__name__}>"
 
-    def read(self, offset: int, nbytes: int) -> bytes:
-        buf = bytearray(nbytes)
-        self.pread(offset, memoryview(buf))
-        return bytes(buf)
-
-    def head(self, nbytes: int) -> bytes:
-        return self.read(0, min(self.size, nbytes))
-
-    def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:
-        pass  # read where it lies, as a local file
-
     def fetch(self, ranges: Sequence[tuple[int, int]], into: Sequence[tuple[int, memoryview]] = ()
               ) -> list[tuple[int, bytes]]:
         """Nothing to fetch ahead (reads go where the bytes lie); ``into``'s views are read now."""
@@ -682,9 +671,6 @@ class FileObjSource:
         pass
 
     populate = False  # nothing is streamed into new memory: fetch reads each view in place
-
-    def release(self) -> None:
-        pass
 
     def close(self) -> None:
         pass  # the caller owns the file object

@@ -16,6 +16,7 @@ import importlib
 import importlib.machinery
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 MOVED: dict[str, str] = {
@@ -106,3 +107,20 @@ def install() -> None:
     """Put the finder last on ``sys.meta_path`` (once)."""
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.append(_Finder())
+
+
+def former_module(package: str, home: str, submodules: frozenset[str]) -> Callable[[str], Any]:
+    """The module ``__getattr__`` of the package ``package``, which took the place of a module
+    of that name whose names now live in its submodule ``home``: ``package.NAME`` is
+    ``package.home.NAME`` (imported on first use). Raises AttributeError for other names and
+    for the package's ``submodules`` (which the import system imports itself)."""
+
+    def __getattr__(name: str) -> Any:
+        if name.startswith("__") or name in submodules:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        try:
+            return getattr(importlib.import_module(f"{package}.{home}"), name)
+        except AttributeError:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+
+    return __getattr__

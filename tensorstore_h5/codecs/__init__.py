@@ -7,18 +7,7 @@ Importing this package imports neither. The names of the former module ``tensors
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from .._moved import former_module
 
-_SUBMODULES = frozenset({"decoders", "presets"})
-
-
-def __getattr__(name: str) -> Any:  # the former module tensorstore_h5.codecs
-    if name.startswith("__") or name in _SUBMODULES:  # submodules are imported by the import system
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    decoders = import_module(f"{__name__}.decoders")
-
-    try:
-        return getattr(decoders, name)
-    except AttributeError:
-        raise AttributeError(f"module 'tensorstore_h5.codecs' has no attribute {name!r}") from None
+# the former module tensorstore_h5.codecs: its names, found on the package
+__getattr__ = former_module(__name__, "decoders", frozenset({"decoders", "presets"}))

@@ -12,18 +12,7 @@ Importing this package imports none of them. The names of the former module
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from .._moved import former_module
 
-_SUBMODULES = frozenset({"constants", "layout", "hdf5meta", "dtypes", "tree", "checksum", "slicing"})
-
-
-def __getattr__(name: str) -> Any:  # the former module tensorstore_h5.format
-    if name.startswith("__") or name in _SUBMODULES:  # submodules are imported by the import system
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    layout = import_module(f"{__name__}.layout")
-
-    try:
-        return getattr(layout, name)
-    except AttributeError:
-        raise AttributeError(f"module 'tensorstore_h5.format' has no attribute {name!r}") from None
+# the former module tensorstore_h5.format: its names, found on the package
+__getattr__ = former_module(__name__, "layout", frozenset({"constants", "layout", "hdf5meta", "dtypes", "tree", "checksum", "slicing"}))

@@ -15,4 +15,5 @@ from __future__ import annotations
 from .._moved import former_module
 
 # the former module tensorstore_h5.format: its names, found on the package
-__getattr__ = former_module(__name__, "layout", frozenset({"constants", "layout", "hdf5meta", "dtypes", "tree", "checksum", "slicing"}))
+__getattr__ = former_module(__name__, "layout", frozenset({"constants", "layout", "hdf5meta", "dtypes", "tree",
+                                                         "checksum", "slicing"}))

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import sys as _sys
 from importlib import import_module as _import_module
 from importlib.util import find_spec as _find_spec
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 # Importing the package does not import torch (about 2 s): the command line's --help and usage
 # errors need none of it. The names that need torch are imported on first use (PEP 562), all at
 # once, so after that the package holds exactly what an eager import gave.
-from . import _moved
 from .convert import convert  # imports torch only when called
 from .errors import (
     FormatError, KeyNotFoundError, MismatchError, TensorStoreError, TensorStoreWarning, UnsupportedTypeError,
@@ -25,15 +25,32 @@ from .errors import (
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from .api import LoadResult, load, load_into, open
-    from .writing.background import save_async
     from .codecs.presets import PRESETS
     from .format.constants import FORMAT_VERSION
-    from .sharded import ShardedStore
-    from .reading.store import Store, TensorHandle
     from .format.tree import escape, unescape
+    from .reading.store import Store, TensorHandle
+    from .sharded import ShardedStore
+    from .writing.background import save_async
     from .writing.writer import Writer, save
 
-_moved.install()  # the module paths before the wings (tensorstore_h5.store, .io, ...) still import
+
+class _FormerPaths:
+    """Finds the module paths of the flat layout before the wings (``tensorstore_h5.store``,
+    ``.io``, ...; see ``_moved.py``, imported only when such a path is asked for). Last on
+    ``sys.meta_path``: consulted only after no module of that name was found."""
+
+    @staticmethod
+    def find_spec(name: str, path: Any = None, target: Any = None) -> Any:
+        if not name.startswith(__name__ + "."):
+            return None
+        from . import _moved
+
+        return _moved.find_spec(name)
+
+
+if not any(getattr(f, "__name__", "") == "_FormerPaths" for f in _sys.meta_path):
+    _sys.meta_path.append(_FormerPaths)
+
 
 __version__ = "0.1.0"
 
@@ -49,12 +66,12 @@ __all__ = [
 def _import_all() -> None:
     """Import the modules that need torch and bind their public names here (idempotent)."""
     from .api import LoadResult, load, load_into, open
-    from .writing.background import save_async
     from .codecs.presets import PRESETS
     from .format.constants import FORMAT_VERSION
-    from .sharded import ShardedStore
-    from .reading.store import Store, TensorHandle
     from .format.tree import escape, unescape
+    from .reading.store import Store, TensorHandle
+    from .sharded import ShardedStore
+    from .writing.background import save_async
     from .writing.writer import Writer, save
 
     globals().update(LoadResult=LoadResult, load=load, load_into=load_into, save_async=save_async, PRESETS=PRESETS,

@@ -6,15 +6,15 @@ new home (so ``th5.remote.FETCH_AHEAD = 8`` sets the setting the library reads).
 ``tensorstore_h5.io``, which was split into three storage modules, is a module whose
 attributes are read from and written to the module that now owns each name.
 
-The finder is consulted only after the regular import system found no such file, so it costs
-nothing on the library's own imports.
+The package's finder (``tensorstore_h5._FormerPaths``, last on ``sys.meta_path``) is consulted
+only after the regular import system found no such file, and imports this module only then,
+so it costs nothing on the library's own imports nor on ``import tensorstore_h5``.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.machinery
-import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -103,10 +103,13 @@ class _Finder:
             module.__spec__ = own  # or the relative imports inside its functions would warn
 
 
-def install() -> None:
-    """Put the finder last on ``sys.meta_path`` (once)."""
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.append(_Finder())
+_FINDER = _Finder()
+
+
+def find_spec(name: str) -> importlib.machinery.ModuleSpec | None:
+    """The spec of ``name`` when it is a module path of the flat layout, else None (what the
+    package's meta path finder asks, after no module of that name was found)."""
+    return _FINDER.find_spec(name, None)
 
 
 def former_module(package: str, home: str, submodules: frozenset[str]) -> Callable[[str], Any]:

@@ -3,8 +3,10 @@
 ``tensorstore_h5.store``, ``tensorstore_h5.writer``, ``tensorstore_h5.remote`` and the rest of
 the flat layout before docs/ARCHITECTURE.md still import: each is the very module object of its
 new home (so ``th5.remote.FETCH_AHEAD = 8`` sets the setting the library reads).
-``tensorstore_h5.io``, which was split into three storage modules, is a module whose
-attributes are read from and written to the module that now owns each name.
+``tensorstore_h5.io``, which was split into ``storage.files``, ``storage.memory``,
+``storage.parallel`` and ``storage.libhdf5``, is a module whose attributes are read from and
+written to the module that now owns each name. (The benchmark's former modules,
+``tensorstore_h5.bench_*``, are not kept: ``tensorstore-h5 bench`` is their interface.)
 
 The package's finder (``tensorstore_h5._FormerPaths``, last on ``sys.meta_path``) is consulted
 only after the regular import system found no such file, and imports this module only then,
@@ -36,6 +38,7 @@ MOVED: dict[str, str] = {
     "tensorstore_h5.background": "tensorstore_h5.writing.background",
     "tensorstore_h5.synthetic": "tensorstore_h5.bench.synthetic",
     "tensorstore_h5.loopback": "tensorstore_h5.bench.loopback",
+    "tensorstore_h5.realweights": "tensorstore_h5.bench.realweights",
     "tensorstore_h5.distributed.simulate": "tensorstore_h5.bench.simulate",
 }
 """Old module path -> the module that is now at its place."""
@@ -82,13 +85,13 @@ class SplitModule(types.ModuleType):
 class _Finder:
     """Finds and loads the old paths (a meta path finder and its loader)."""
 
+    def __init__(self) -> None:
+        self._specs: dict[str, importlib.machinery.ModuleSpec | None] = {}  # old path -> the module's own spec
+
     def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if name in MOVED or name in SPLIT:
             return importlib.machinery.ModuleSpec(name, self)
         return None
-
-    def __init__(self) -> None:
-        self._specs: dict[str, importlib.machinery.ModuleSpec | None] = {}  # old path -> the module's own spec
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         if spec.name in SPLIT:

@@ -165,7 +165,8 @@ def test_no_class_is_a_whole_wing() -> None:
 
 
 OLD_PATHS = ["store", "writer", "remote", "httpranges", "hdf5source", "compression", "tree", "dtypes", "checksum",
-             "slicing", "select", "constants", "hdf5meta", "background", "synthetic", "loopback"]
+             "slicing", "select", "constants", "hdf5meta", "background", "synthetic", "loopback", "realweights",
+             "distributed.simulate"]
 
 
 @pytest.mark.parametrize("old", OLD_PATHS)

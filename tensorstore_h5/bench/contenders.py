@@ -61,13 +61,6 @@ def _touch_all(tensors: Any) -> None:
             t.view(torch.uint8).sum() if t.element_size() == 1 else t.view(-1)[:: max(1, 4096 // t.element_size())].sum()
 
 
-def _prealloc(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {k: torch.empty_like(v) for k, v in sd.items()}
-    for t in out.values():
-        t.zero_()  # touched: what a model's existing parameters look like
-    return out
-
-
 def _shapes(ctx: Ctx) -> dict[str, torch.Tensor]:
     import tensorstore_h5 as th5
 

@@ -276,10 +276,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 bar.update(sizes.get(key, 0))
         finally:
             bar.close()
-        remote_source = None if store._reader.local else store._reader.rawfile()  # a URL or file object: h5py reads through it
+        reader = store._reader
+        remote_source = None if reader.local else reader.rawfile()  # a URL or file object: h5py reads through it
         if remote_source is not None and store.format_version == 2:  # HDF5's metadata lies after the data and in
-            ends = [o + n for e in entries.values() for o, n in store._reader.ranges(e)]  # the first block: fetched at once,
-            start = max(ends, default=0)                                           # not by one request per read
+            ends = [o + n for e in entries.values() for o, n in reader.ranges(e)]  # the first block: fetched at
+            start = max(ends, default=0)                                     # once, not by one request per read
             remote_source.prefetch([(0, 4096), (start, max(0, remote_source.size - start))])
         problems = list(verify_layout(store.path, store._layout, remote_source)) if store.format_version == 2 else []
         version = store.format_version

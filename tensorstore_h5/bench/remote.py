@@ -4,8 +4,8 @@ the same way.
 
 For each latency: a full load, a 1 % select (1 % of the keys) and a 1 % row slice of every
 tensor through ``th5.load(url)`` / ``th5.open(url)``; the same full load through fsspec's
-aiohttp session (``remote.PLAIN_HTTP = False``: what the library's own HTTP client replaces); the raw limit, every byte range of the
-tensors' data fetched by concurrent range GETs of 8 MiB three ways: as fsspec issues them
+aiohttp session (``remote.PLAIN_HTTP = False``: what the library's own HTTP client replaces);
+the raw limit, every byte range of the tensors' data fetched by concurrent range GETs of 8 MiB three ways: as fsspec issues them
 (bytes objects), and by plain sockets from :data:`remote.CONNECTIONS` threads into one buffer
 reused from round to round (no page faults: the floor of moving the bytes here) or into fresh
 memory (what any loader that makes new tensors pays); the fsspec raw limit plus what a loader

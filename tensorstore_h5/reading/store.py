@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -32,7 +32,6 @@ from .tensors import data_bytes
 
 __all__ = ["Store", "TensorHandle", "EntryView", "Device"]
 
-PathLike = Union[str, "os.PathLike[str]"]
 
 
 class EntryView:
@@ -126,14 +125,13 @@ class TensorHandle(EntryView):
         if verify and index is not None:
             raise ValueError("verify checks whole tensors; read without index, then slice")
         sel = select_index(() if index is None else index, self._entry.shape)
+        reader = self._store._reader
         if mmap:
             if out is not None or index is not None:
                 raise ValueError("read(mmap=True) maps the whole tensor; it takes no out or index")
-            reader = self._store._reader
             mapped = reader.mapped(self._entry, files.FileMap(reader.rawfile(), whole=False), verify)
             if mapped is not None:
                 return mapped
-        reader = self._store._reader
         try:
             return reader.read_tensor(self._entry, sel, out, restore_layout=index is None, verify=verify, fetch=True)
         finally:

@@ -1,6 +1,6 @@
 """Byte sources other than a local file: fsspec URLs (``https://``, ``s3://``, ...) and file objects.
 
-A source has what :class:`tensorstore_h5.storage.files.RawFile` has (``path``, ``size``, ``pread``,
+A source is a :class:`tensorstore_h5.storage.files.Source` (``path``, ``size``, ``pread``,
 ``read``, ``close``) and, for remote ones, :meth:`RemoteSource.prefetch`: the reader names
 every byte range it is about to read, and the source fetches them in few requests
 (neighbouring ranges coalesced, independent ones concurrently), so that a partial load moves
@@ -204,7 +204,7 @@ def _transient(e: BaseException) -> bool:
     return status is not None and (status >= 500 or status in (408, 429))
 
 
-class RemoteSource:
+class RemoteSource(files.Source):
     """An object behind an fsspec URL, read by byte ranges.
 
     ``stats`` counts requests and bytes received (for tests and the benchmark).
@@ -416,11 +416,6 @@ class RemoteSource:
                 take = min(n - done, (cache[i + 1][0] if i + 1 < len(cache) else offset + n) - at)
                 view[done:done + take] = self._get(at, at + take)
             done += take
-
-    def read(self, offset: int, nbytes: int) -> bytes:
-        buf = bytearray(nbytes)
-        self.pread(offset, memoryview(buf))
-        return bytes(buf)
 
     def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:
         """Fetch ``(offset, nbytes)`` ranges for the reads that follow (see :meth:`fetch`).

@@ -15,6 +15,7 @@ import ctypes
 import fnmatch
 import functools
 import mmap
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -139,6 +140,17 @@ class _PinnedPool:
 
 
 _PINNED = _PinnedPool()
+
+
+def _new_pinned_pool_after_fork() -> None:
+    """In a forked child the parent's page-locked buffers belong to a CUDA context the child
+    cannot use, and the pool's lock may have been held: the child starts an empty pool."""
+    global _PINNED
+    _PINNED = _PinnedPool()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_pinned_pool_after_fork)
 
 
 def _give_back(pool: _PinnedPool, bufs: list[torch.Tensor | None], events: list[Any]) -> None:

@@ -18,6 +18,7 @@ of output is ever left unwritten.
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 import threading
 from collections.abc import Callable
@@ -47,6 +48,16 @@ Decoder = Callable[[Any, int, int, int], None]
 
 _libs: dict[str, Any] = {}
 _libs_lock = threading.Lock()
+
+
+def _new_lock_after_fork() -> None:
+    """In a forked child the parent's lock may have been held by a thread that is not there."""
+    global _libs_lock
+    _libs_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 
 def _library(name: str) -> Any:

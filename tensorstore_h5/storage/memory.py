@@ -147,7 +147,7 @@ def streamed(nbytes: int) -> None:
 
 _gc_lock = threading.Lock()
 
-_gc_depth = 0
+_gc_paused_by: dict[int, int] = {}  # thread ident -> blocks of that thread now in gc_paused
 
 _gc_was_enabled = False
 
@@ -159,19 +159,41 @@ def gc_paused() -> Iterator[None]:
     (tensors, entries, index pieces) otherwise runs it again and again over everything the
     process holds: half the time of loading 10,000 small tensors (560 -> 280 ms, as fast as
     safetensors' ``load_file``) and of a rank reading a 512-rank index."""
-    global _gc_depth, _gc_was_enabled
+    global _gc_was_enabled
+    me = threading.get_ident()
     with _gc_lock:
-        if _gc_depth == 0:
+        if not _gc_paused_by:
             _gc_was_enabled = gc.isenabled()
             gc.disable()
-        _gc_depth += 1
+        _gc_paused_by[me] = _gc_paused_by.get(me, 0) + 1
     try:
         yield
     finally:
         with _gc_lock:
-            _gc_depth -= 1
-            if _gc_depth == 0 and _gc_was_enabled:
+            left = _gc_paused_by.pop(me) - 1
+            if left:
+                _gc_paused_by[me] = left
+            elif not _gc_paused_by and _gc_was_enabled:
                 gc.enable()
+
+
+def _resume_gc_after_fork() -> None:
+    """In a forked child only the forking thread exists: the pauses of the parent's other
+    threads never end there, so they are forgotten (and the collector is back on when none is
+    left), and the lock is made anew (the parent's may have been held)."""
+    global _gc_lock
+    _gc_lock = threading.Lock()
+    me = threading.get_ident()
+    paused, mine = bool(_gc_paused_by), _gc_paused_by.get(me, 0)
+    _gc_paused_by.clear()
+    if mine:
+        _gc_paused_by[me] = mine
+    elif paused and _gc_was_enabled:
+        gc.enable()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_resume_gc_after_fork)
 
 
 def tensor_bytes(t: torch.Tensor) -> np.ndarray:

@@ -55,6 +55,19 @@ def _executor(threads: int | None = None) -> ThreadPoolExecutor:
         return pool
 
 
+def _forget_pools_after_fork() -> None:
+    """In a forked child (a DataLoader worker, a multiprocessing pool): the parent's I/O
+    threads do not exist there, and a pool that believes they do waits forever for them; the
+    child makes its own pools, and its own lock (the parent's may have been held)."""
+    global _pool_lock
+    _pools.clear()
+    _pool_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools_after_fork)
+
+
 class ReadPlan:
     """Byte ranges to read into tensors (and other jobs, such as chunk decodes), run by the
     thread pool while the plan is still being built.

@@ -37,6 +37,19 @@ _last: Future[None] | None = None
 _pool: dict[tuple[Any, ...], list[torch.Tensor]] = {}  # snapshot buffers of the last save, by layout
 
 
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's writing thread and its saves do not exist there (a
+    child's ``save_async`` starts its own), and the parent's locks may have been held."""
+    global _executor, _save_lock, _pool_lock, _last
+    _executor, _last = None, None
+    _save_lock, _pool_lock = threading.Lock(), threading.Lock()
+    _pool.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def _snapshot(t: torch.Tensor, used: dict[tuple[Any, ...], list[torch.Tensor]]) -> torch.Tensor:
     """A host copy of ``t`` with its shape, dtype and stride (views with gaps become
     contiguous, as the writer stores them), in a buffer reused from the last save when one

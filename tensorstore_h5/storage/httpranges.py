@@ -16,22 +16,34 @@ same size is refused (412) rather than read half old, half new. Redirects to htt
 followed (at most :data:`REDIRECTS`), without the caller's ``Authorization`` and ``Cookie``
 headers once they leave the first origin; a target reached only by permanent redirects (301,
 308) is asked directly by the next requests, a temporary one (302, 307: signed, expiring URLs)
-again through the first URL.
+again through the first URL; a redirect's body is never read (its connection is closed).
+
+No body is read past what was asked: at most the range's bytes (a longer answer's connection
+is closed, not reused), none of a redirect or a refused answer. Given a ``deadline``, a request
+ends by then, its status line and headers included, whatever the server sends: each socket
+wait is at most :data:`TIMEOUT` and at most the time left, and none starts after it
+(:class:`DeadlineError`).
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import http.client
+import io
+import math
 import os
 import re
+import socket
 import ssl
 import threading
+import time
 import urllib.parse
 from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["RangeClient", "HTTPStatusError", "RangeAnswerError", "VersionError", "check_answer", "parse_content_range",
-           "close_idle", "REDIRECTS", "TIMEOUT", "IDLE_PER_HOST"]
+__all__ = ["RangeClient", "HTTPStatusError", "RangeAnswerError", "VersionError", "DeadlineError", "check_answer",
+           "parse_content_range", "close_idle", "REDIRECTS", "TIMEOUT", "IDLE_PER_HOST"]
 
 REDIRECTS = 5
 """Redirects followed for one request before it fails."""
@@ -59,6 +71,49 @@ class RangeAnswerError(OSError):
 
 class VersionError(RangeAnswerError):
     """An answer 412 to a request with ``If-Match``: the object is not the version opened."""
+
+
+class DeadlineError(OSError):
+    """A request whose answer was not complete within its deadline (a server that drips, or
+    sends without end). Not a ``TimeoutError``: trying again would take as long."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"the answer was not complete within the deadline of {seconds:.3g} s")
+        self.seconds = seconds
+
+
+class _DeadlineIO(socket.SocketIO):
+    """The raw reader of one response (status line, headers and body): each socket wait lasts at
+    most ``timeout`` seconds and at most until ``deadline`` (``time.monotonic()``); none starts
+    after it. Raises DeadlineError past the deadline, ``TimeoutError`` for one wait of ``timeout``."""
+
+    def __init__(self, sock: socket.socket, timeout: float, deadline: float, seconds: float) -> None:
+        super().__init__(sock, "rb")
+        sock._io_refs += 1  # type: ignore[attr-defined]  # as sock.makefile does: open until this closes
+        self._wait, self._deadline, self._seconds = timeout, deadline, seconds
+
+    def readinto(self, b: Any) -> int | None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineError(self._seconds)
+        self._sock.settimeout(min(self._wait, left))
+        try:
+            return super().readinto(b)  # recv_into: straight into b, without the GIL
+        except TimeoutError:
+            if time.monotonic() >= self._deadline:
+                raise DeadlineError(self._seconds) from None
+            raise
+
+
+class _Response(http.client.HTTPResponse):
+    """A response read through :class:`_DeadlineIO` (the ``response_class`` of a request with a
+    deadline)."""
+
+    def __init__(self, sock: socket.socket, debuglevel: int = 0, method: str | None = None, url: str | None = None,
+                 *, timeout: float, deadline: float, seconds: float) -> None:
+        super().__init__(sock, debuglevel, method, url)
+        self.fp.close()  # the file http.client made (the socket stays open: the connection holds it)
+        self.fp = io.BufferedReader(_DeadlineIO(sock, timeout, deadline, seconds), io.DEFAULT_BUFFER_SIZE)
 
 
 def parse_content_range(header: str | None) -> tuple[int, int, int | None] | None:
@@ -176,36 +231,50 @@ class RangeClient:
         self._headers = dict(headers or {})
         self._timeout = TIMEOUT if timeout is None else timeout
 
-    def _connection(self, parts: urllib.parse.SplitResult, new: bool
+    def _connection(self, parts: urllib.parse.SplitResult, new: bool, deadline: float, seconds: float
                     ) -> tuple[tuple[str, str, int], http.client.HTTPConnection, bool]:
         """An idle connection to the URL's host (unless ``new``), else a new one; and whether it
-        was idle."""
+        was idle. Its connect and sends wait at most :attr:`_timeout` and until ``deadline``
+        (``time.monotonic()``; ``seconds``: the whole deadline, for messages), its answer is read
+        through :class:`_DeadlineIO`. Raises DeadlineError past the deadline."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineError(seconds)
+        wait = min(self._timeout, left)
         https = parts.scheme == "https"
         key = (parts.scheme, parts.hostname or "", parts.port or (443 if https else 80))
         conn = None if new else _take_idle(key)
+        idle = conn is not None
         if conn is not None:
-            conn.timeout = self._timeout
+            conn.timeout = wait
             if conn.sock is not None:
-                conn.sock.settimeout(self._timeout)
-            return key, conn, True
-        if https and RangeClient._ssl is None:
-            RangeClient._ssl = ssl.create_default_context()
-        conn = (http.client.HTTPSConnection(key[1], key[2], timeout=self._timeout, context=RangeClient._ssl) if https
-                else http.client.HTTPConnection(key[1], key[2], timeout=self._timeout))
-        return key, conn, False
+                conn.sock.settimeout(wait)
+        else:
+            if https and RangeClient._ssl is None:
+                RangeClient._ssl = ssl.create_default_context()
+            conn = (http.client.HTTPSConnection(key[1], key[2], timeout=wait, context=RangeClient._ssl) if https
+                    else http.client.HTTPConnection(key[1], key[2], timeout=wait))
+        conn.response_class = functools.partial(  # type: ignore[assignment]
+            _Response, timeout=self._timeout, deadline=deadline, seconds=seconds)
+        return key, conn, idle
 
-    def get_into(self, start: int, view: memoryview, size: int | None = None, etag: str | None = None) -> int:
+    def get_into(self, start: int, view: memoryview, size: int | None = None, etag: str | None = None,
+                 deadline: float | None = None) -> int:
         """Fill ``view`` with the object's bytes from ``start`` on; ``size``: the object's size
         when it was opened (an answer naming another is refused); ``etag``: its strong ETag then
-        (asked for with ``If-Match``: a replaced object answers 412, refused). Returns the
-        object's size.
+        (asked for with ``If-Match``: a replaced object answers 412, refused); ``deadline``:
+        seconds the whole call may take, redirects included (None: no limit, but each socket
+        wait's ``timeout``). Returns the object's size. Reads no more than ``len(view)`` bytes of
+        any answer, and no byte of a redirect's.
 
         Raises HTTPStatusError (a status other than 200/206, redirects past
         :data:`REDIRECTS`), RangeAnswerError (another range or length than asked: a server
-        that ignores ranges, ends early or whose object changed), and the connection's own
-        errors (``OSError``: refused, reset, timed out, ``http.client.IncompleteRead`` for a
-        body cut short) for the caller to try again."""
+        that ignores ranges, ends early or whose object changed), DeadlineError (``deadline``
+        passed), and the connection's own errors (``OSError``: refused, reset, timed out,
+        ``http.client.IncompleteRead`` for a body cut short) for the caller to try again."""
         end = start + len(view)
+        seconds = math.inf if deadline is None else deadline
+        until = time.monotonic() + seconds
         url = self.url
         headers = {k: v for k, v in self._headers.items() if k.lower() not in _OWN_HEADERS}
         headers.update({"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"})
@@ -217,7 +286,7 @@ class RangeClient:
             parts = urllib.parse.urlsplit(url)
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             for fresh in (False, True):  # an idle connection the server has since closed: once more on a new one
-                key, conn, idle = self._connection(parts, new=fresh)
+                key, conn, idle = self._connection(parts, fresh, until, seconds)
                 try:
                     conn.request("GET", target, headers=headers)
                     r = conn.getresponse()
@@ -226,15 +295,18 @@ class RangeClient:
                     if idle and not fresh:
                         continue
                     raise
+                except TimeoutError:  # connecting or sending, at most until the deadline
+                    conn.close()
+                    if time.monotonic() >= until:
+                        raise DeadlineError(seconds) from None
+                    raise
                 except BaseException:
                     conn.close()
                     raise
                 break
             keep = False
             try:
-                if r.status in _REDIRECT and r.getheader("Location"):
-                    r.read()
-                    keep = not r.will_close
+                if r.status in _REDIRECT and r.getheader("Location"):  # its body is not read: the connection goes
                     url = urllib.parse.urljoin(url, r.getheader("Location", ""))
                     moved = urllib.parse.urlsplit(url)
                     if moved.scheme not in ("http", "https") or not moved.hostname:
@@ -251,11 +323,12 @@ class RangeClient:
                     if not n:
                         raise http.client.IncompleteRead(b"", len(view) - got)
                     got += n
-                keep = not r.will_close and r.length == 0
+                keep = not r.will_close and r.length == 0  # else more than asked may follow: not reused
             finally:
                 if keep:
                     _give_back(key, conn)
                 else:
+                    r.close()  # unread or not all read: the socket is closed, not drained
                     conn.close()
             if url != self.url and permanent:
                 self.url = url  # moved for good: later requests go straight to the target

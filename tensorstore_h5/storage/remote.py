@@ -12,11 +12,16 @@ Over ``http://`` and ``https://`` the ranges' bytes come by :mod:`tensorstore_h5
 (plain keep-alive connections receiving into the caller's memory, see :data:`PLAIN_HTTP`);
 every answer that carries layout or tensor bytes has its range checked on either path.
 
+Every request ends within its deadline (:data:`REQUEST_DEADLINE`, :func:`deadline`) and reads
+no more of an answer than it asked for, whatever the server sends (bodies without end, a byte
+at a time, redirects with bodies): it fails with :class:`RemoteError` naming the URL.
+
 fsspec (and s3fs for ``s3://``) are optional: ``pip install "tensorstore_h5[remote]"``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import concurrent.futures
 import io as stdio
@@ -25,22 +30,58 @@ import re
 import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from ..errors import TensorStoreError
 from . import files
-from .httpranges import HTTPStatusError, RangeAnswerError, RangeClient, VersionError, check_answer, parse_content_range
+from .httpranges import (DeadlineError, HTTPStatusError, RangeAnswerError, RangeClient, VersionError, check_answer,
+                         parse_content_range)
 
 __all__ = ["RETRIES", "MAX_GAP", "REQUEST_BYTES", "BATCH_BYTES", "FETCH_AHEAD", "TAIL_BYTES", "DIRECT_BYTES",
-           "PLAIN_HTTP", "PRESIGN_SECONDS", "CONNECTIONS", "is_url",
-           "is_fileobj", "open_source", "RemoteSource", "FileObjSource", "RemoteError", "upload"]
+           "PLAIN_HTTP", "PRESIGN_SECONDS", "CONNECTIONS", "REQUEST_DEADLINE", "REQUEST_MIN_RATE", "deadline",
+           "is_url", "is_fileobj", "open_source", "RemoteSource", "FileObjSource", "RemoteError", "upload"]
+
+_T = TypeVar("_T")
 
 RETRIES = 3
-"""Times a failed request is tried again (transient errors only: connection, timeout, 5xx)."""
+"""Times a failed request is tried again (transient errors only: connection, timeout, 5xx; not
+a request that ran out of its :func:`deadline`)."""
 
 BACKOFF = 0.2
 """Seconds before the first retry (doubling each time)."""
+
+REQUEST_DEADLINE = 120.0
+"""Seconds one try of a request may take in all (connect, headers, the whole body, redirects),
+plus one second per :data:`REQUEST_MIN_RATE` bytes asked for (see :func:`deadline`). Longer than
+a socket wait's timeout (:data:`tensorstore_h5.storage.httpranges.TIMEOUT`, 60 s), so one stall
+is still tried again. A try past its deadline fails with :class:`RemoteError` and is not tried
+again: a request ends within ``(RETRIES + 1) * deadline(n) + BACKOFF * (2**RETRIES - 1)``
+seconds at worst (~25 min for an 8 MiB request with the defaults; ~2 min for one that a server
+drips or sends without end, which fails on its first try)."""
+
+REQUEST_MIN_RATE = 32 << 10
+"""Bytes per second a request must receive on average, past :data:`REQUEST_DEADLINE`: an
+8 MiB request (:data:`REQUEST_BYTES`) has 120 + 256 s. Up to :data:`CONNECTIONS` requests
+share the link: on links slower than ~20 Mbit/s lower this or :data:`CONNECTIONS`."""
+
+
+def deadline(nbytes: int) -> float:
+    """Seconds one try of a request for ``nbytes`` bytes may take: :data:`REQUEST_DEADLINE` +
+    ``nbytes`` / :data:`REQUEST_MIN_RATE`."""
+    return REQUEST_DEADLINE + max(0, nbytes) / REQUEST_MIN_RATE
+
+
+async def _within(seconds: float, make: Callable[[], Awaitable[_T]]) -> _T:
+    """The result of the coroutine ``make()`` makes, cancelled after ``seconds`` (on the event
+    loop it runs on). Raises DeadlineError when cancelled, else what the coroutine raises."""
+    began = time.monotonic()
+    try:
+        return await asyncio.wait_for(make(), seconds)
+    except asyncio.TimeoutError:
+        if time.monotonic() - began >= seconds:
+            raise DeadlineError(seconds) from None
+        raise  # the request's own timeout: tried again
 
 MAX_GAP = 64 << 10
 """Ranges closer than this many bytes are fetched by one request (the gap is read and dropped).
@@ -176,6 +217,8 @@ def open_source(target: Any, storage_options: dict[str, Any] | None = None, retr
 
 def _status(e: BaseException) -> int | None:
     """The HTTP status an error carries (aiohttp's ``status``, botocore's response), if any."""
+    if isinstance(e, DeadlineError):
+        return None  # its message's seconds are no status
     status = getattr(e, "status", None)
     if status is None and not hasattr(type(e), "status"):  # aiohttp's errors warn on "code"; urllib's carry it
         status = getattr(e, "code", None)
@@ -192,8 +235,9 @@ def _status(e: BaseException) -> int | None:
 
 
 def _transient(e: BaseException) -> bool:
-    """Errors worth another try: connections dropped or refused, timeouts, server errors."""
-    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+    """Errors worth another try: connections dropped or refused, timeouts, server errors; not a
+    request past its deadline (another try would take as long)."""
+    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, DeadlineError)):
         return False
     text = f"{type(e).__name__} {e}"
     if isinstance(e, (ConnectionError, TimeoutError, EOFError, ssl.SSLEOFError, ssl.SSLZeroReturnError)) or any(
@@ -276,6 +320,21 @@ class RemoteSource(files.Source):
 
     # -- requests
 
+    def _bounded(self, nbytes: int, name: str, *args: Any, **kwargs: Any) -> Any:
+        """The file system's method ``name`` called with ``args``: for an asynchronous file system
+        (fsspec's HTTP, s3fs) its coroutine, cancelled past :func:`deadline` (``nbytes``) with
+        DeadlineError; others' plain method, unbounded."""
+        fs = self._fs
+        if getattr(fs, "async_impl", False) and callable(getattr(fs, f"_{name}", None)):
+            from fsspec.asyn import sync
+
+            return sync(fs.loop, _within, deadline(nbytes), lambda: getattr(fs, f"_{name}")(*args, **kwargs))
+        return getattr(fs, name)(*args, **kwargs)
+
+    def _info(self) -> dict[str, Any]:
+        """The object's fsspec ``info`` (size, ETag), within :func:`deadline`."""
+        return self._bounded(0, "info", self._key)
+
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         delay = BACKOFF
         for attempt in range(self.retries + 1):
@@ -311,7 +370,7 @@ class RemoteSource(files.Source):
             t.start()
             return t
 
-        asked = [ask("info", lambda: self._call("size", lambda: self._fs.info(self._key)))]
+        asked = [ask("info", lambda: self._call("size", self._info))]
         tail_of = self._tail_reader() if TAIL_BYTES > head else None
         if tail_of is not None:
             asked.append(ask("tail", tail_of))
@@ -349,21 +408,39 @@ class RemoteSource(files.Source):
         if self._streams():
             from fsspec.asyn import sync
 
-            return guarded(lambda: sync(self._fs.loop, self._http_tail))
+            return guarded(lambda: sync(self._fs.loop, _within, deadline(TAIL_BYTES), self._http_tail))
         if protocols & {"s3", "s3a"}:
-            return guarded(lambda: self._fs.cat_file(self._key, start=-TAIL_BYTES))
+            return guarded(lambda: self._bounded(TAIL_BYTES, "cat_file", self._key, start=-TAIL_BYTES))
         return None
 
     async def _http_tail(self) -> bytes | None:
         """``Range: bytes=-TAIL_BYTES`` over fsspec's session; None unless answered 206 with
-        the object's last bytes (its ``Content-Range`` ending at its size)."""
+        the object's last bytes (its ``Content-Range`` ending at its size, at most
+        :data:`TAIL_BYTES` of them, all received). Reads no more than the named range."""
         async with await self._http_get(f"bytes=-{TAIL_BYTES}") as r:
             named = parse_content_range(r.headers.get("Content-Range"))
-            if r.status != 206 or named is None or named[1] != named[2] or \
+            if r.status != 206 or named is None or named[1] != named[2] or not 0 < named[1] - named[0] <= TAIL_BYTES \
+                    or r.content_length not in (None, named[1] - named[0]) or \
                     r.headers.get("Content-Encoding", "identity") not in ("", "identity"):
                 return None  # leaving the block unread closes the connection: no whole object downloaded
-            data = await r.read()
-            return data if len(data) == named[1] - named[0] else None
+            data = bytearray(named[1] - named[0])
+            return bytes(data) if await self._read_body(r, memoryview(data)) == len(data) else None
+
+    @staticmethod
+    async def _read_body(r: Any, view: memoryview) -> int:
+        """Copy the body of the aiohttp response ``r`` into ``view`` as it arrives, no more than
+        ``len(view)`` bytes; a body not ended there is not read on: its connection is closed
+        (not reused). Returns the bytes received (fewer where the body ended early)."""
+        got = 0
+        while got < len(view):
+            chunk = await r.content.read(len(view) - got)  # at most what is still asked for
+            if not chunk:
+                break
+            view[got:got + len(chunk)] = chunk
+            got += len(chunk)
+        if not r.content.is_eof():
+            r.close()  # more than asked for may follow (or a drip): the connection goes, unread
+        return got
 
     async def _http_get(self, byte_range: str) -> Any:
         """The response (an async context manager) of a GET of the object with ``Range:
@@ -379,13 +456,22 @@ class RemoteSource(files.Source):
 
     def _get(self, start: int, end: int, allow_short: bool = False) -> bytes:
         """Bytes ``start..end`` by one request; ``allow_short``: fewer where the object ends
-        before ``end`` (its header, before its size is known). Over HTTP every other answer's
-        range is checked (see :func:`tensorstore_h5.storage.httpranges.check_answer`)."""
+        before ``end`` (its header, before its size is known). Over HTTP every answer's range is
+        checked (see :func:`tensorstore_h5.storage.httpranges.check_answer`). Raises RemoteError
+        naming the URL."""
         if not allow_short and (self._client is not None or self._streams()):
             buf = bytearray(end - start)
             self.fetch([], [(start, memoryview(buf))])
             return bytes(buf)
-        data = self._call(f"bytes {start}..{end}", lambda: self._fs.cat_file(self._key, start=start, end=end))
+        if self._streams():  # the header, before the size is known: on fsspec's session, either client
+            from fsspec.asyn import sync
+
+            buf = bytearray(end - start)
+            n = self._call(f"bytes {start}..{end}", lambda: sync(
+                self._fs.loop, _within, deadline(end - start), lambda: self._stream_into(start, memoryview(buf), True)))
+            return bytes(buf[:n])
+        data = self._call(f"bytes {start}..{end}", lambda: self._bounded(end - start, "cat_file", self._key,
+                                                                          start=start, end=end))
         with self._lock:
             self.stats["requests"] += 1
             self.stats["bytes"] += len(data)
@@ -478,17 +564,23 @@ class RemoteSource(files.Source):
         assert client is not None
 
         def get() -> None:
+            until = time.monotonic() + deadline(len(view))  # one try's deadline, its second request included
+
+            def once() -> None:
+                client.get_into(start, view, self.size if self.size >= 0 else None, self.etag,
+                                deadline=max(0.0, until - time.monotonic()))
+
             try:
                 try:
-                    client.get_into(start, view, self.size if self.size >= 0 else None, self.etag)
+                    once()
                 except HTTPStatusError as e:
                     if e.status != 403 or not self._presigns():
                         raise
                     client.url = self._presign()  # expired: signed again (a key without access fails again)
-                    client.get_into(start, view, self.size if self.size >= 0 else None, self.etag)
+                    once()
                 except VersionError:
-                    self._after_412(_strong_etag(self._call("size", lambda: self._fs.info(self._key))))
-                    client.get_into(start, view, self.size if self.size >= 0 else None, self.etag)
+                    self._after_412(_strong_etag(self._call("size", self._info)))
+                    once()
             except RangeAnswerError as e:
                 raise self._answer_error(e) from e
 
@@ -522,26 +614,34 @@ class RemoteSource(files.Source):
 
     def _stream_ranges(self, into: list[tuple[int, memoryview]]) -> None:
         """Fill each ``(offset, view)`` of ``into`` with the bytes at ``offset``, all requests
-        concurrent on fsspec's event loop. Raises the first request's error."""
-        import asyncio
-
+        concurrent on fsspec's event loop, each within its :func:`deadline`. Raises the first
+        request's error (DeadlineError for one past its deadline)."""
         from fsspec.asyn import sync
 
         async def run() -> list[Any]:
-            return await asyncio.gather(*(self._stream_into(a, view) for a, view in into), return_exceptions=True)
+            asked = (_within(deadline(len(view)), lambda a=a, view=view: self._stream_into(a, view)) for a, view in into)
+            return await asyncio.gather(*asked, return_exceptions=True)
 
         for result in sync(self._fs.loop, run):
             if isinstance(result, BaseException):
                 raise result
 
-    async def _stream_into(self, start: int, view: memoryview) -> None:
-        """One range GET on fsspec's session whose body is copied, as it arrives, into ``view``;
-        the answer's range is checked (:func:`tensorstore_h5.storage.httpranges.check_answer`)."""
+    async def _stream_into(self, start: int, view: memoryview, allow_short: bool = False) -> int:
+        """One range GET on fsspec's session whose body is copied, as it arrives, into ``view``
+        (no more than ``len(view)`` bytes of it read); the answer's range is checked
+        (:func:`tensorstore_h5.storage.httpranges.check_answer`). ``allow_short``: an answer that
+        says the object ends before ``start + len(view)`` fills only that part. Returns the bytes
+        filled. Raises RemoteError naming the URL for another range or a body cut short."""
         end = start + len(view)
-        got = 0
         for again in (False, True):  # again: after a 412 from a server whose preconditions are not to be trusted
             r = await (await self._http_get(f"bytes={start}-{end - 1}")).__aenter__()
             try:
+                if allow_short:  # the object's own end, where it says it ends before the range does
+                    named = parse_content_range(r.headers.get("Content-Range"))
+                    if r.status == 206 and named is not None and named[0] == start and named[1] == named[2]:
+                        end = min(end, named[1])
+                    elif r.status == 200 and start == 0 and r.content_length is not None:
+                        end = min(end, r.content_length)
                 check_answer(r.status, r.reason or "", r.headers.get("Content-Range"), r.content_length, start, end,
                              self.size if self.size >= 0 else None, r.headers.get("Content-Encoding"))
                 break
@@ -554,24 +654,19 @@ class RemoteSource(files.Source):
                 except VersionError as changed:
                     raise self._answer_error(changed) from None
             except RangeAnswerError as e:
-                r.release()  # unread: the connection is dropped
+                r.close()  # unread: the connection is dropped
                 raise self._answer_error(e) from None
             except BaseException:
-                r.release()
+                r.close()
                 raise
         async with r:
-            async for chunk in r.content.iter_any():
-                n = len(chunk)
-                if got + n > len(view):
-                    raise RemoteError(f"{self.path}: the server ignored the byte range for bytes {start}..{end} "
-                                      f"(more than {len(view)} bytes received)")
-                view[got:got + n] = chunk
-                got += n
+            got = await self._read_body(r, view[:end - start])
         with self._lock:
             self.stats["requests"] += 1
             self.stats["bytes"] += got
-        if got != len(view):
+        if got != end - start:
             raise RemoteError(f"{self.path}: the server ended early for bytes {start}..{end} ({got} bytes received)")
+        return got
 
     def use(self, pieces: list[tuple[int, bytes]]) -> None:
         """Serve reads from ``pieces`` (from :meth:`fetch`), dropping what was there before."""
@@ -579,8 +674,10 @@ class RemoteSource(files.Source):
             self._cache = pieces
 
     def _cat_ranges(self, merged: list[list[int]]) -> list[bytes]:
-        out = self._fs.cat_ranges([self._key] * len(merged), [a for a, _ in merged], [b for _, b in merged],
-                                  on_error="return")
+        """The bytes of ``merged``'s ranges by the file system's ``cat_ranges`` (an asynchronous
+        one's within the :func:`deadline` of all their bytes). Raises the first range's error."""
+        out = self._bounded(sum(b - a for a, b in merged), "cat_ranges", [self._key] * len(merged),
+                            [a for a, _ in merged], [b for _, b in merged], on_error="return")
         for (a, b), data in zip(merged, out):
             if isinstance(data, BaseException):
                 raise data

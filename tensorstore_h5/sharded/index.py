@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Union
 import numpy as np
 
 from ..display import human_bytes
-from ..errors import FormatError
+from ..errors import FormatError, TensorStoreError, WriteError
 from ..format import checksum, tree
 from ..format import layout as fmt
 from ..format.dtypes import DtypeSpec, spec_for_name
@@ -44,7 +44,9 @@ DCP_METADATA = ".metadata"
 
 
 MAX_INDEX_BYTES = 1 << 31
-"""Larger index files are refused (a hostile index cannot make a reader allocate without bound)."""
+"""Largest directory index read (2 GiB: ~17 million pieces at ~125 bytes each). A larger index
+file is refused from its size before any byte is read (a hostile index cannot make a reader
+allocate without bound), and a save never writes one (:func:`commit_index`)."""
 
 _SAVE_ID = re.compile(r"[0-9a-f]{16}")
 _DATA_FILE = re.compile(r"(?P<stem>[A-Za-z0-9][A-Za-z0-9_-]*)\.(?P<id>[0-9a-f]{16})\.h5")
@@ -387,13 +389,12 @@ def index_text(obj: Mapping[str, Any]) -> bytes:
 
 
 def read_index(directory: str, name: str = INDEX_NAME) -> DirectoryIndex:
-    """Read and parse ``directory/name``. Raises FileNotFoundError or FormatError."""
+    """Read and parse ``directory/name``, a regular file (or a symlink to one) of at most
+    :data:`MAX_INDEX_BYTES` (:func:`files.read_small`). Raises FormatError (damaged, too large,
+    or not a regular file: ``files.NotRegularFileError``), ``files.MissingFileError`` (a
+    FileNotFoundError) or another ``files.PathError``, each naming the index."""
     path = os.path.join(directory, name)
-    with open(path, "rb") as f:
-        data = f.read(MAX_INDEX_BYTES + 1)
-    if len(data) > MAX_INDEX_BYTES:
-        raise FormatError(f"{path}: the index is larger than {human_bytes(MAX_INDEX_BYTES)}; refused")
-    return parse_index(data, path)
+    return parse_index(files.read_small(path, MAX_INDEX_BYTES, "directory index"), path)
 
 
 # ---------------------------------------------------------------------------- committing a directory
@@ -409,11 +410,15 @@ def commit_index(directory: PathLike, obj: Mapping[str, Any], *, rank: int | Non
     (a global index supersedes them) or the global index (a rank-local save supersedes it), and
     temporaries that no live process holds. Other files are never touched.
 
-    Returns the names removed.
+    Returns the names removed. Raises WriteError, before anything is written, for an index
+    larger than :data:`MAX_INDEX_BYTES` (readers would refuse it).
     """
     directory = os.fspath(directory)
     name = INDEX_NAME if rank is None else rank_index_name(rank)
     text = index_text(obj)
+    if len(text) > MAX_INDEX_BYTES:
+        raise WriteError(f"{os.path.join(directory, name)}: the index would be {human_bytes(len(text))}, more than the "
+                         f"{human_bytes(MAX_INDEX_BYTES)} readers accept; nothing was committed")
     tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.partial")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
@@ -477,10 +482,11 @@ def _sweep(directory: str, keep: set[str], rank: int | None) -> list[str]:
 
 
 def _unlocked(path: str) -> bool:
-    """True for a temporary that no live process holds (its writer died)."""
+    """True for a temporary that no live process holds (its writer died); False for one that is
+    not a regular file (not ours: a FIFO there never blocks the sweep)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
+        fd = files.open_regular(path, "temporary index")
+    except TensorStoreError:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -13,7 +13,7 @@ from ..format import tree
 from ..format import layout as fmt
 from ..format.dtypes import DtypeSpec, spec_for_name
 from ..storage import files
-from .index import DirectoryIndex, MAX_INDEX_BYTES, Piece, ShardedTensorEntry
+from .index import DirectoryIndex, Piece, ShardedTensorEntry
 from .reads import Loc
 
 __all__ = ["safetensors_index"]
@@ -40,7 +40,7 @@ def _read_safetensors_header(path: str) -> _SafetensorsFile:
     """Parse and check a safetensors header: every tensor's byte range inside the file and of its
     dtype's and shape's size. Raises FormatError naming the file (and the key)."""
     try:
-        raw = files.RawFile(path)
+        raw = files.RawFile(path, what="safetensors shard")  # a regular file (or a symlink to one) only
     except FileNotFoundError:
         raise FormatError(f"{path}: the file is missing; the safetensors index names it") from None
     try:
@@ -102,12 +102,16 @@ class _SafetensorsFiles:
 
 def safetensors_index(directory: str, index_file: str | None) -> tuple[DirectoryIndex, _SafetensorsFiles]:
     """The view of a Hugging Face checkpoint: ``*.safetensors.index.json`` + shards, or a lone
-    ``model.safetensors``. Keys are the escaped tensor names (as ``convert`` writes them)."""
+    ``model.safetensors``. Keys are the escaped tensor names (as ``convert`` writes them).
+
+    The index and every shard must be regular files (symlinks to them, as in the Hugging Face
+    cache, are followed); the index at most :data:`files.MAX_JSON_BYTES`. Raises FormatError
+    or ``files.PathError``, naming the file."""
     if index_file is not None:
         ipath = os.path.join(directory, index_file)
+        data = files.read_small(ipath, files.MAX_JSON_BYTES, "safetensors index")
         try:
-            with open(ipath, "rb") as f:
-                obj = json.loads(f.read(MAX_INDEX_BYTES))
+            obj = json.loads(data)
         except (ValueError, RecursionError) as e:
             raise FormatError(f"{ipath}: damaged safetensors index ({e})") from e
         wmap = obj.get("weight_map") if type(obj) is dict else None

@@ -3,6 +3,7 @@ tensors, in one process (no process group)."""
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -20,7 +21,7 @@ from ..format.slicing import Selection, contiguous_stride, select as select_inde
 from ..format.tree import Container, Leaf
 from ..reading.select import Selector, closest, resolve
 from ..reading.store import EntryView
-from ..storage import memory
+from ..storage import files, memory
 from ..transfer import Device
 from .index import (
     DCP_METADATA, DirEntry, DirectoryIndex, HF_INDEX_SUFFIX, INDEX_NAME, INDEX_VERSION, PathLike, Piece, RANK_INDEX,
@@ -106,22 +107,34 @@ class ShardedStore:
         rank: open the rank-local index of a save made without collectives
             (``use_collectives=False``), which holds only that rank's pieces.
 
+    Every index and data file read must be a regular file (or a symlink to one): a FIFO,
+    device, socket or directory in its place is refused before it is read
+    (:func:`tensorstore_h5.storage.files.open_regular`).
+
     Raises:
-        FileNotFoundError: no such directory.
-        FormatError: no index, a damaged index, or a directory of another kind.
+        FileNotFoundError: no such directory (``files.MissingFileError``, a TensorStoreError).
+        FormatError: no index, a damaged index, an index or data file that is not a regular
+            file (``files.NotRegularFileError``), or a directory of another kind.
+        TensorStoreError: another problem with the path (``files.PathError``: a NUL in it, no
+            permission to list it), naming it.
     """
 
     def __init__(self, path: PathLike, *, rank: int | None = None) -> None:
         p = os.fspath(path)
+        files.check_path(p)
         index_file = None
-        if os.path.isfile(p) and (os.path.basename(p) == INDEX_NAME or p.endswith(HF_INDEX_SUFFIX)):
+        if (os.path.basename(p) == INDEX_NAME or p.endswith(HF_INDEX_SUFFIX)) and os.path.lexists(p) \
+                and not os.path.isdir(p):  # the index itself (read, and checked to be a regular file, below)
             p, index_file = os.path.dirname(p) or ".", os.path.basename(p)
         if not os.path.isdir(p):
             if not os.path.exists(p):
-                raise FileNotFoundError(f"{p}: no such checkpoint directory")
+                raise files.MissingFileError(f"{p}: no such checkpoint directory", p, errno.ENOENT)
             raise FormatError(f"{p}: not a directory (open files with tensorstore_h5.open)")
         self.path = p
-        names = set(os.listdir(p))
+        try:
+            names = set(os.listdir(p))
+        except OSError as e:
+            raise files.path_error(e, p, "checkpoint directory") from e
         self._files: Any
         if rank is not None:
             self._layout = self._read_ours(rank_index_name(rank))
@@ -137,10 +150,11 @@ class ShardedStore:
                 self._layout, self._files = safetensors_index(p, hf[0] if hf else None)
             elif len(hf) > 1:
                 raise FormatError(f"{p}: several safetensors indexes ({', '.join(hf)}); open one of them by its path")
-            elif DCP_METADATA in names:
-                raise FormatError(f"{p}: a checkpoint of torch.distributed.checkpoint's FileSystemWriter, whose metadata "
-                                  "is pickled: tensorstore_h5 does not unpickle; load it with dcp.load and save it again "
-                                  "with tensorstore_h5.distributed.H5StorageWriter")
+            elif DCP_METADATA in names:  # named, never opened: whatever it is (a FIFO, /dev/zero), it is not read
+                raise FormatError(f"{os.path.join(p, DCP_METADATA)}: the metadata of a checkpoint of "
+                                  "torch.distributed.checkpoint's FileSystemWriter, which is pickled: tensorstore_h5 "
+                                  "does not unpickle; load it with dcp.load and save it again with "
+                                  "tensorstore_h5.distributed.H5StorageWriter")
             elif any(RANK_INDEX.fullmatch(n) for n in names):
                 ranks = sorted(int(m.group("rank")) for n in names if (m := RANK_INDEX.fullmatch(n)))
                 raise FormatError(f"{p}: only rank-local indexes (a save with use_collectives=False, ranks "

@@ -1,6 +1,12 @@
 """Local files: positional reads of one open file straight into tensor memory (``os.preadv``),
 its page-cache probes and readahead advice, copy-on-write mappings of its pages, and whole
 writes, buffered or ``O_DIRECT`` through a page-aligned bounce buffer.
+
+Every file opened for reading (checkpoint files, shards, indexes) goes through
+:func:`open_regular`: only regular files are read (symlinks to them too), anything else
+(FIFO, directory, device, socket) is refused before a byte is read, and a FIFO never blocks
+the open. Small files read whole (indexes, JSON) go through :func:`read_small`, whose size
+cap is checked before reading. Every refusal is a :class:`PathError` naming the path.
 """
 
 from __future__ import annotations
@@ -16,10 +22,188 @@ from typing import Any
 
 import torch
 
+from ..display import human_bytes
+from ..errors import FormatError, TensorStoreError
+
 __all__ = [
+    "PathError", "MissingFileError", "FileAccessError", "NotRegularFileError", "InvalidPathError", "MAX_JSON_BYTES",
+    "path_error", "check_path", "open_regular", "read_small",
     "WRITE_CALL_BYTES", "READAHEAD_BYTES", "coalesce", "Source", "RawFile", "FileMap", "pwrite_all", "DIRECT_ALIGN",
     "DIRECT_MIN_BYTES", "DIRECT_BUFFER_BYTES", "DirectWrites",
 ]
+
+
+# ---------------------------------------------------------------------------- regular files only
+
+
+class PathError(TensorStoreError, OSError):
+    """A path the library was asked to read from cannot be read as a file: missing, not
+    permitted, not a regular file, or not a valid path. The message names the path;
+    ``filename`` is the path and ``errno`` the error number, where there is one. The
+    subclasses are also the built-in exception a caller would catch."""
+
+    def __init__(self, message: str, filename: str | None = None, error: int | None = None) -> None:
+        super().__init__(message)
+        self.filename = filename
+        self.errno = error
+        self.strerror = os.strerror(error) if error is not None else None
+
+    def __str__(self) -> str:  # OSError would format errno and filename instead of the message
+        return str(self.args[0]) if self.args else ""
+
+
+class MissingFileError(PathError, FileNotFoundError):
+    """No file at the path (or a symlink to nothing)."""
+
+
+class FileAccessError(PathError, PermissionError):
+    """The file exists but this process may not read it."""
+
+
+class NotRegularFileError(PathError, FormatError):
+    """The path names a directory, FIFO, device or socket (itself or through a symlink), which
+    is never opened for reading, or refused right after the open if swapped in meanwhile."""
+
+
+class InvalidPathError(PathError, ValueError):
+    """The path cannot name a file (it holds a NUL character)."""
+
+
+MAX_JSON_BYTES = 256 * 2**20
+"""Largest JSON file read whole that is not a directory index (a Hugging Face
+``*.safetensors.index.json``, ~100 KiB for the largest models; 256 MiB): larger ones are
+refused from their size, before any byte is read. Directory indexes have their own cap
+(``sharded.index.MAX_INDEX_BYTES``)."""
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _shown(path: str | bytes) -> str:
+    """``path`` for a message: decoded, and a NUL written as ``\\0``."""
+    return os.fsdecode(path).replace("\0", "\\0")
+
+
+def _symlink_note(path: str | bytes) -> str:
+    """`` (a symlink to <target>)`` where ``path`` is a symlink, else ``""``."""
+    try:
+        return f" (a symlink to {os.fsdecode(os.readlink(path))})" if os.path.islink(path) else ""
+    except (OSError, ValueError):
+        return ""
+
+
+def _not_regular(path: str | bytes, mode: int, what: str) -> NotRegularFileError:
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    err = errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL
+    return NotRegularFileError(f"{_shown(path)}{_symlink_note(path)}: the {what} is {kind}, not a regular file; "
+                               "refused without reading it", _shown(path), err)
+
+
+def path_error(err: OSError, path: str | bytes, what: str = "file") -> PathError:
+    """The library's error for ``err``, raised opening or reading ``path`` (named in the message,
+    as ``the <what>``): MissingFileError, FileAccessError, NotRegularFileError (a directory) or
+    PathError; ``err`` itself where it is a PathError already."""
+    if isinstance(err, PathError):
+        return err
+    shown, note = _shown(path), _symlink_note(path)
+    if isinstance(err, FileNotFoundError):
+        return MissingFileError(f"{shown}{note}: {err.strerror or 'No such file or directory'} (the {what})", shown,
+                                errno.ENOENT)
+    if isinstance(err, PermissionError):
+        return FileAccessError(f"{shown}{note}: {err.strerror or 'Permission denied'} (cannot read the {what})", shown,
+                               err.errno)
+    if isinstance(err, IsADirectoryError):
+        return NotRegularFileError(f"{shown}{note}: the {what} is a directory, not a regular file; refused without "
+                                   "reading it", shown, errno.EISDIR)
+    return PathError(f"{shown}{note}: cannot read the {what} ({err.strerror or err})", shown, err.errno)
+
+
+def _check_regular(fd: int, path: str | bytes, what: str) -> os.stat_result:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(path, st.st_mode, what)
+    return st
+
+
+def check_path(path: str | bytes) -> None:
+    """Raise InvalidPathError (naming the path, a NUL shown as ``\\0``) where ``path`` holds a
+    NUL character, which no file name can (the OS calls would raise a bare ValueError)."""
+    if ("\0" if isinstance(path, str) else b"\0") in path:
+        raise InvalidPathError(f"{_shown(path)}: the path holds a NUL character, which no file name can; refused",
+                               _shown(path), errno.EINVAL)
+
+
+def open_regular(path: str | os.PathLike[str], what: str = "file") -> int:
+    """A read-only, blocking, close-on-exec descriptor of ``path``, which must be a regular file
+    (a symlink to one is followed). ``what`` names the file in messages ("directory index").
+
+    The path is ``stat``-ed first, so that a FIFO, socket or device is never opened; the open
+    itself uses ``O_RDONLY | O_NONBLOCK | O_NOCTTY`` (a FIFO swapped in meanwhile cannot block
+    it) and is checked again with ``fstat`` before ``O_NONBLOCK`` is cleared.
+
+    Raises InvalidPathError (a NUL in the path), MissingFileError (a FileNotFoundError),
+    FileAccessError (a PermissionError), NotRegularFileError (a FormatError: directory, FIFO,
+    device, socket) or PathError (another OSError); each names the path.
+    """
+    p = os.fspath(path)
+    check_path(p)
+    try:
+        st = os.stat(p)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(p, st.st_mode, what)
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise path_error(e, p, what) from e
+    try:
+        _check_regular(fd, p, what)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_small(path: str | os.PathLike[str], limit: int = MAX_JSON_BYTES, what: str = "file") -> bytearray:
+    """The whole content of the regular file ``path`` (opened by :func:`open_regular`), at most
+    ``limit`` bytes: a larger file is refused from its ``fstat`` size before any byte is read,
+    and one that grows past ``limit`` while it is read is refused too.
+
+    Raises what :func:`open_regular` raises, FormatError (naming the path) for a file larger
+    than ``limit`` bytes, and PathError for a failed read.
+    """
+    fd = open_regular(path, what)
+    shown = _shown(os.fspath(path))
+
+    def too_big(size: int | str) -> FormatError:
+        return FormatError(f"{shown}: the {what} is {size} bytes, more than the {human_bytes(limit)} a {what} may "
+                           "hold; refused without reading it")
+
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise too_big(size)
+        buf = bytearray(size + 1)  # one byte more: a file that grew since fstat is seen
+        done = 0
+        with memoryview(buf) as view:
+            while done < len(buf):
+                n = os.readv(fd, [view[done:]])
+                if n == 0:
+                    break
+                done += n
+        while done == len(buf):  # it grew: read on, up to the cap
+            more = os.read(fd, min(1 << 24, limit + 1 - done))
+            if not more:
+                break
+            buf += more
+            done += len(more)
+            if done > limit:
+                raise too_big(f"more than {done - 1}")
+        del buf[done:]
+        return buf
+    except OSError as e:
+        raise path_error(e, path if isinstance(path, (str, bytes)) else os.fspath(path), what) from e
+    finally:
+        os.close(fd)
 
 
 WRITE_CALL_BYTES = 1 << 30
@@ -76,18 +260,23 @@ class Source:
 class RawFile(Source):
     """Positional reads of one open file's bytes straight into tensor memory, and its mapping.
 
-    The file is opened once (or adopted from ``fd``); every read goes to that open file, so
-    a file renamed over the path later (a save replacing it) is never mixed in. ``size`` is
-    its length when opened. Raises FileNotFoundError, IsADirectoryError, or PermissionError.
+    The file is opened once (or adopted from ``fd``) by :func:`open_regular`: only a regular
+    file (or a symlink to one) is read. Every read goes to that open file, so a file renamed
+    over the path later (a save replacing it) is never mixed in. ``size`` is its length when
+    opened. ``what`` names the file in messages. Raises what :func:`open_regular` raises
+    (PathError subclasses naming the path: MissingFileError is a FileNotFoundError,
+    FileAccessError a PermissionError, NotRegularFileError a FormatError); an adopted ``fd``
+    that is not a regular file is closed.
     """
 
-    def __init__(self, path: str, fd: int | None = None) -> None:
+    def __init__(self, path: str, fd: int | None = None, what: str = "checkpoint file") -> None:
         self.path = path
-        self._fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)) if fd is None else fd
-        st = os.fstat(self._fd)
-        if stat.S_ISDIR(st.st_mode):
+        self._fd: int | None = open_regular(path, what) if fd is None else fd
+        try:
+            st = _check_regular(self._fd, path, what)
+        except BaseException:
             self.close()
-            raise IsADirectoryError(f"{path} is a directory, not a checkpoint file")
+            raise
         self.size = st.st_size
         self.identity = (st.st_dev, st.st_ino)
 

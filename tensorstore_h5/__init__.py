@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 # once, so after that the package holds exactly what an eager import gave.
 from .convert import convert  # imports torch only when called
 from .errors import (
-    FormatError, KeyNotFoundError, MismatchError, TensorStoreError, TensorStoreWarning, UnsupportedTypeError,
-    WriteError,
+    FileAccessError, FormatError, InvalidPathError, KeyNotFoundError, MismatchError, MissingFileError,
+    NotRegularFileError, PathError, TensorStoreError, TensorStoreWarning, UnsupportedTypeError, WriteError,
 )
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
@@ -59,6 +59,7 @@ __all__ = [
     "LoadResult",
     "escape", "unescape", "PRESETS", "FORMAT_VERSION",
     "TensorStoreError", "FormatError", "UnsupportedTypeError", "KeyNotFoundError", "MismatchError", "WriteError",
+    "PathError", "MissingFileError", "FileAccessError", "NotRegularFileError", "InvalidPathError",
     "TensorStoreWarning", "__version__",
 ]
 

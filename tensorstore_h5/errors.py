@@ -7,6 +7,8 @@ and also from the built-in exception a caller would expect (``ValueError``,
 
 from __future__ import annotations
 
+import os
+
 __all__ = [
     "TensorStoreError",
     "FormatError",
@@ -14,6 +16,11 @@ __all__ = [
     "KeyNotFoundError",
     "MismatchError",
     "WriteError",
+    "PathError",
+    "MissingFileError",
+    "FileAccessError",
+    "NotRegularFileError",
+    "InvalidPathError",
     "TensorStoreWarning",
     "NAMED_KEYS",
     "few",
@@ -57,6 +64,39 @@ class MismatchError(TensorStoreError, ValueError):
 class WriteError(TensorStoreError, OSError):
     """A file cannot be written (disk full, I/O error): the save was abandoned and any
     earlier file at the path is unchanged. The message names the file and the key."""
+
+
+class PathError(TensorStoreError, OSError):
+    """A path the library was asked to read from cannot be read as a file: missing, not
+    permitted, not a regular file, or not a valid path. The message names the path;
+    ``filename`` is the path and ``errno`` the error number, where there is one. The
+    subclasses are also the built-in exception a caller would catch."""
+
+    def __init__(self, message: str, filename: str | None = None, error: int | None = None) -> None:
+        super().__init__(message)
+        self.filename = filename
+        self.errno = error
+        self.strerror = os.strerror(error) if error is not None else None
+
+    def __str__(self) -> str:  # OSError would format errno and filename instead of the message
+        return str(self.args[0]) if self.args else ""
+
+
+class MissingFileError(PathError, FileNotFoundError):
+    """No file at the path (or a symlink to nothing)."""
+
+
+class FileAccessError(PathError, PermissionError):
+    """The file exists but this process may not read it."""
+
+
+class NotRegularFileError(PathError, FormatError):
+    """The path names a directory, FIFO, device or socket (itself or through a symlink), which
+    is never opened for reading, or refused right after the open if swapped in meanwhile."""
+
+
+class InvalidPathError(PathError, ValueError):
+    """The path cannot name a file (it holds a NUL character)."""
 
 
 class TensorStoreWarning(UserWarning):

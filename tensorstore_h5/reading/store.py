@@ -164,8 +164,9 @@ class Store:
                 ...                                    # one tensor at a time
 
     Raises:
-        FileNotFoundError: no such file.
-        IsADirectoryError: a directory.
+        MissingFileError: no such file (a FileNotFoundError).
+        NotRegularFileError: a directory, FIFO, device or socket (a FormatError), refused
+            before it is read.
         FormatError: not a tensorstore_h5 or HDF5 file, an unknown format version, or a
             damaged header or layout.
     """

@@ -391,8 +391,8 @@ def index_text(obj: Mapping[str, Any]) -> bytes:
 def read_index(directory: str, name: str = INDEX_NAME) -> DirectoryIndex:
     """Read and parse ``directory/name``, a regular file (or a symlink to one) of at most
     :data:`MAX_INDEX_BYTES` (:func:`files.read_small`). Raises FormatError (damaged, too large,
-    or not a regular file: ``files.NotRegularFileError``), ``files.MissingFileError`` (a
-    FileNotFoundError) or another ``files.PathError``, each naming the index."""
+    or not a regular file: ``NotRegularFileError``), ``MissingFileError`` (a
+    FileNotFoundError) or another ``PathError``, each naming the index."""
     path = os.path.join(directory, name)
     return parse_index(files.read_small(path, MAX_INDEX_BYTES, "directory index"), path)
 

@@ -106,7 +106,7 @@ def safetensors_index(directory: str, index_file: str | None) -> tuple[Directory
 
     The index and every shard must be regular files (symlinks to them, as in the Hugging Face
     cache, are followed); the index at most :data:`files.MAX_JSON_BYTES`. Raises FormatError
-    or ``files.PathError``, naming the file."""
+    or ``PathError``, naming the file."""
     if index_file is not None:
         ipath = os.path.join(directory, index_file)
         data = files.read_small(ipath, files.MAX_JSON_BYTES, "safetensors index")

@@ -13,7 +13,7 @@ import torch
 
 from .. import transfer
 from ..display import Progress, human_bytes
-from ..errors import FormatError, KeyNotFoundError, MismatchError, TensorStoreError
+from ..errors import FormatError, KeyNotFoundError, MismatchError, MissingFileError, TensorStoreError
 from ..format import tree
 from ..format.dtypes import bits_view
 from ..format.layout import ValueEntry
@@ -112,10 +112,10 @@ class ShardedStore:
     (:func:`tensorstore_h5.storage.files.open_regular`).
 
     Raises:
-        FileNotFoundError: no such directory (``files.MissingFileError``, a TensorStoreError).
+        FileNotFoundError: no such directory (``MissingFileError``, a TensorStoreError).
         FormatError: no index, a damaged index, an index or data file that is not a regular
-            file (``files.NotRegularFileError``), or a directory of another kind.
-        TensorStoreError: another problem with the path (``files.PathError``: a NUL in it, no
+            file (``NotRegularFileError``), or a directory of another kind.
+        TensorStoreError: another problem with the path (``PathError``: a NUL in it, no
             permission to list it), naming it.
     """
 
@@ -128,7 +128,7 @@ class ShardedStore:
             p, index_file = os.path.dirname(p) or ".", os.path.basename(p)
         if not os.path.isdir(p):
             if not os.path.exists(p):
-                raise files.MissingFileError(f"{p}: no such checkpoint directory", p, errno.ENOENT)
+                raise MissingFileError(f"{p}: no such checkpoint directory", p, errno.ENOENT)
             raise FormatError(f"{p}: not a directory (open files with tensorstore_h5.open)")
         self.path = p
         try:

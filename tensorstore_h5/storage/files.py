@@ -23,50 +23,18 @@ from typing import Any
 import torch
 
 from ..display import human_bytes
-from ..errors import FormatError, TensorStoreError
+from ..errors import (
+    FileAccessError, FormatError, InvalidPathError, MissingFileError, NotRegularFileError, PathError,
+)
 
 __all__ = [
-    "PathError", "MissingFileError", "FileAccessError", "NotRegularFileError", "InvalidPathError", "MAX_JSON_BYTES",
-    "path_error", "check_path", "open_regular", "read_small",
+    "MAX_JSON_BYTES", "path_error", "check_path", "open_regular", "read_small",
     "WRITE_CALL_BYTES", "READAHEAD_BYTES", "coalesce", "Source", "RawFile", "FileMap", "pwrite_all", "DIRECT_ALIGN",
     "DIRECT_MIN_BYTES", "DIRECT_BUFFER_BYTES", "DirectWrites",
 ]
 
 
 # ---------------------------------------------------------------------------- regular files only
-
-
-class PathError(TensorStoreError, OSError):
-    """A path the library was asked to read from cannot be read as a file: missing, not
-    permitted, not a regular file, or not a valid path. The message names the path;
-    ``filename`` is the path and ``errno`` the error number, where there is one. The
-    subclasses are also the built-in exception a caller would catch."""
-
-    def __init__(self, message: str, filename: str | None = None, error: int | None = None) -> None:
-        super().__init__(message)
-        self.filename = filename
-        self.errno = error
-        self.strerror = os.strerror(error) if error is not None else None
-
-    def __str__(self) -> str:  # OSError would format errno and filename instead of the message
-        return str(self.args[0]) if self.args else ""
-
-
-class MissingFileError(PathError, FileNotFoundError):
-    """No file at the path (or a symlink to nothing)."""
-
-
-class FileAccessError(PathError, PermissionError):
-    """The file exists but this process may not read it."""
-
-
-class NotRegularFileError(PathError, FormatError):
-    """The path names a directory, FIFO, device or socket (itself or through a symlink), which
-    is never opened for reading, or refused right after the open if swapped in meanwhile."""
-
-
-class InvalidPathError(PathError, ValueError):
-    """The path cannot name a file (it holds a NUL character)."""
 
 
 MAX_JSON_BYTES = 256 * 2**20
@@ -201,7 +169,7 @@ def read_small(path: str | os.PathLike[str], limit: int = MAX_JSON_BYTES, what: 
         del buf[done:]
         return buf
     except OSError as e:
-        raise path_error(e, path if isinstance(path, (str, bytes)) else os.fspath(path), what) from e
+        raise path_error(e, os.fspath(path), what) from e
     finally:
         os.close(fd)
 

@@ -320,15 +320,20 @@ class RemoteSource(files.Source):
 
     # -- requests
 
+    def _on_loop(self, nbytes: int, make: Callable[[], Awaitable[_T]]) -> _T:
+        """The result of the coroutine ``make()`` makes, run on fsspec's event loop and cancelled
+        past :func:`deadline` (``nbytes``) with DeadlineError."""
+        from fsspec.asyn import sync
+
+        return sync(self._fs.loop, _within, deadline(nbytes), make)
+
     def _bounded(self, nbytes: int, name: str, *args: Any, **kwargs: Any) -> Any:
         """The file system's method ``name`` called with ``args``: for an asynchronous file system
-        (fsspec's HTTP, s3fs) its coroutine, cancelled past :func:`deadline` (``nbytes``) with
-        DeadlineError; others' plain method, unbounded."""
+        (fsspec's HTTP, s3fs) its coroutine, within :meth:`_on_loop`; others' plain method,
+        unbounded."""
         fs = self._fs
         if getattr(fs, "async_impl", False) and callable(getattr(fs, f"_{name}", None)):
-            from fsspec.asyn import sync
-
-            return sync(fs.loop, _within, deadline(nbytes), lambda: getattr(fs, f"_{name}")(*args, **kwargs))
+            return self._on_loop(nbytes, lambda: getattr(fs, f"_{name}")(*args, **kwargs))
         return getattr(fs, name)(*args, **kwargs)
 
     def _info(self) -> dict[str, Any]:
@@ -406,9 +411,7 @@ class RemoteSource(files.Source):
             return run
 
         if self._streams():
-            from fsspec.asyn import sync
-
-            return guarded(lambda: sync(self._fs.loop, _within, deadline(TAIL_BYTES), self._http_tail))
+            return guarded(lambda: self._on_loop(TAIL_BYTES, self._http_tail))
         if protocols & {"s3", "s3a"}:
             return guarded(lambda: self._bounded(TAIL_BYTES, "cat_file", self._key, start=-TAIL_BYTES))
         return None
@@ -464,11 +467,9 @@ class RemoteSource(files.Source):
             self.fetch([], [(start, memoryview(buf))])
             return bytes(buf)
         if self._streams():  # the header, before the size is known: on fsspec's session, either client
-            from fsspec.asyn import sync
-
             buf = bytearray(end - start)
-            n = self._call(f"bytes {start}..{end}", lambda: sync(
-                self._fs.loop, _within, deadline(end - start), lambda: self._stream_into(start, memoryview(buf), True)))
+            n = self._call(f"bytes {start}..{end}", lambda: self._on_loop(
+                end - start, lambda: self._stream_into(start, memoryview(buf), True)))
             return bytes(buf[:n])
         data = self._call(f"bytes {start}..{end}", lambda: self._bounded(end - start, "cat_file", self._key,
                                                                           start=start, end=end))

@@ -43,7 +43,7 @@ def open(path: Any, *, storage_options: dict[str, Any] | None = None) -> Store |
 
 
 def load(path: Any, *, select: Selector = None, device: Device = None, progress: bool | None = None,
-         mmap: bool = False, verify: bool = False, storage_options: dict[str, Any] | None = None) -> Any:
+         mmap: bool = False, verify: bool | None = None, storage_options: dict[str, Any] | None = None) -> Any:
     """Load a file (or the selected part of it) back into its saved nesting. Python's cyclic
     garbage collector is paused while the tensors are built (:func:`tensorstore_h5.storage.memory.gc_paused`).
 
@@ -63,7 +63,8 @@ def load(path: Any, *, select: Selector = None, device: Device = None, progress:
         progress: see :func:`tensorstore_h5.save`.
         mmap: tensors backed by the file's pages (copy-on-write) where the data allow, see
             :meth:`Store.load`.
-        verify: check every stored checksum (see :meth:`Store.load`).
+        verify: check the stored checksums: by default (None) of every tensor read (not of
+            those ``mmap`` maps), True of all, False of none (see :meth:`Store.load`).
         storage_options: for a URL, passed to fsspec (credentials, endpoint, ...).
 
     Raises:
@@ -157,7 +158,7 @@ def load_into(
     device: Any = None,
     strict_dtype: bool = False,
     progress: bool | None = None,
-    verify: bool = False,
+    verify: bool | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> LoadResult:
     """Fill the tensors of ``target`` from ``path``, like ``target.load_state_dict``, reading
@@ -192,7 +193,10 @@ def load_into(
         device: with ``assign``, where the new tensors go.
         strict_dtype: refuse dtype differences instead of casting.
         progress: see :func:`tensorstore_h5.save`.
-        verify: check every stored checksum before any target changes.
+        verify: check every stored checksum before any target changes (the default; one
+            more pass over the bytes, hashed on the I/O threads). Over a URL the default
+            checks each fetched batch before its targets are written (True: all of them
+            first, fetching the bytes twice). False checks nothing.
         storage_options: for a URL ``path``, passed to fsspec.
 
     Returns:
@@ -203,7 +207,8 @@ def load_into(
             ``strict_dtype``, a dtype) differs; meta targets without ``assign``; targets
             that overlap. No target has changed. Messages name a few keys, then how many more.
         KeyNotFoundError: an exact key in ``select`` is not in the file.
-        FormatError: the file is not readable as a checkpoint (nothing changed).
+        FormatError: the file is not readable as a checkpoint, or a checksum does not match
+            (nothing changed).
         RemoteError: over a URL, a request failed for good (after ``remote.RETRIES``); the
             file's checks come first, but the batches fetched before the failure have been
             written to their targets (holding every batch back would need memory for all of
@@ -217,7 +222,7 @@ def load_into(
 
 
 def _load_into(target: Any, path: PathLike, select: Selector, prefix: str, strict: bool, assign: bool, device: Any,
-               strict_dtype: bool, progress: bool | None, verify: bool,
+               strict_dtype: bool, progress: bool | None, verify: bool | None,
                storage_options: dict[str, Any] | None) -> LoadResult:
     module = target if isinstance(target, torch.nn.Module) else None
     if module is not None:
@@ -280,8 +285,9 @@ def _load_into(target: Any, path: PathLike, select: Selector, prefix: str, stric
                 raise MismatchError(f"{store.path}: load_state_dict refused the checkpoint: {e}") from e
             return LoadResult([tree.escape(k) for k in result.missing_keys],
                               [prefix + tree.escape(k) for k in result.unexpected_keys])
-        if assign:
-            for key, value in store.items(select=[stored[k] for k in order], device=place, verify=verify):
+        if assign:  # every new tensor read (and checked) before any slot changes
+            loaded = list(store.items(select=[stored[k] for k in order], device=place, verify=verify))
+            for key, value in loaded:
                 container, k = slots[key[len(prefix):]]
                 container[k] = value
             return LoadResult(missing, unexpected)

@@ -525,7 +525,9 @@ def test_a_corrupt_small_tensor_is_named_among_its_window(tmp_path) -> None:
     (tmp_path / "bad.h5").write_bytes(bytes(raw))
     with pytest.raises(th5.FormatError, match=r"bad\.h5.*'b7/p3'"):
         th5.load(tmp_path / "bad.h5", verify=True)
-    assert not torch.equal(th5.load(tmp_path / "bad.h5")["b7"]["p3"], sd["b7"]["p3"])  # unverified: as stored
+    with pytest.raises(th5.FormatError, match=r"bad\.h5.*'b7/p3'"):
+        th5.load(tmp_path / "bad.h5")  # checked by default
+    assert not torch.equal(th5.load(tmp_path / "bad.h5", verify=False)["b7"]["p3"], sd["b7"]["p3"])  # as stored
     with th5.open(tmp_path / "f.h5") as s:  # the same file, as if it ended inside b12/p1
         raw = s._reader.rawfile()
         real = raw.pread

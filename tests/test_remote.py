@@ -293,6 +293,31 @@ def test_a_streamed_tensor_with_damaged_bytes_is_refused_with_verify(served, ser
     assert torch.equal(out["layers.4.weight"], objs["big"]["layers.4.weight"])
 
 
+def test_damaged_bytes_are_refused_by_default_over_a_url(served, server) -> None:
+    """Checksums are checked by default over a URL too: a load, a handle read, and load_into,
+    which checks each fetched batch before its targets change (no byte fetched twice)."""
+    _, objs = served
+    damaged = server.root / "damaged_small.h5"
+    shutil.copy(server.root / "small.h5", damaged)
+    with th5.open(damaged) as s:
+        offset = s._reader.where(s["layers.0.weight"]._entry).offset
+    with open(damaged, "r+b") as f:
+        f.seek(offset + 100)
+        f.write(b"\x00\x01\x02")
+    url = server.url("damaged_small.h5")
+    with pytest.raises(th5.FormatError, match=r"damaged_small\.h5: key 'layers\.0\.weight'.*checksum"):
+        th5.load(url)
+    with th5.open(url) as s, pytest.raises(th5.FormatError, match="checksum"):
+        s["layers.0.weight"].read()
+    targets = {k: torch.zeros_like(v) for k, v in objs["small"].items()}
+    server.reset()
+    with pytest.raises(th5.FormatError, match=r"key 'layers\.0\.weight'.*checksum"):
+        th5.load_into(targets, url)
+    assert all(not t.any() for t in targets.values())  # one batch: checked before any target changed
+    th5.load_into(targets, url, verify=False)
+    assert torch.equal(targets["layers.1.weight"], objs["small"]["layers.1.weight"])
+
+
 @pytest.mark.parametrize("status, words", [(404, "not found"), (403, "access denied"), (500, "request failed after")])
 def test_http_errors_name_the_url(served, server, status, words, monkeypatch) -> None:
     monkeypatch.setattr(remote, "BACKOFF", 0.01)

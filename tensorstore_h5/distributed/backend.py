@@ -60,6 +60,7 @@ from ..format import tree
 from ..format import layout as fmt
 from ..format.dtypes import spec_for_torch
 from ..format.layout import ValueEntry
+from ..reading.tensors import checking
 from ..sharded.reads import Reads, block_selection
 from ..storage import memory
 from ..writing.writer import Writer, few_links
@@ -566,10 +567,13 @@ class H5StorageReader(StorageReader):
 
     Args:
         path: the checkpoint directory.
-        verify: check the stored checksums of every piece read (a second pass over its bytes).
+        verify: check the stored checksums of the pieces read, before any destination
+            changes (one more pass over their bytes, hashed on the I/O threads): by default
+            (None) of every piece read whole, with True of every piece read from, with False
+            of none.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool | None = None) -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.verify = verify
@@ -620,7 +624,8 @@ class H5StorageReader(StorageReader):
         layout = store._layout
         reads = Reads()
         commits = []
-        verified: set[tuple[str, str]] = set()
+        regions = []
+        checked: dict[tuple[str, str], tuple[sharded.Piece, str]] = {}
         for req in plan.items:
             kp, j = self.storage_data[req.storage_index]
             if req.type == LoadItemType.BYTE_IO:
@@ -633,14 +638,16 @@ class H5StorageReader(StorageReader):
             if tuple(dest.shape) != tuple(req.lengths):
                 raise ValueError(f"{self.path}: key {kp!r}: the planner's destination has shape {list(dest.shape)}, the "
                                  f"read needs {list(req.lengths)}")
-            if self.verify and (piece.file, piece.key) not in verified and piece.numel:
-                store._files.verify(piece, kp)
-                verified.add((piece.file, piece.key))
             if piece.numel:
                 loc = store._files.locate(piece, entry)
                 local = block_selection(piece.shape, req.storage_offsets, req.lengths)
-                reads.region(loc, piece.shape, entry.dtype, local, dest)
+                if checking(self.verify, local.full):
+                    checked[(piece.file, piece.key)] = (piece, kp)
+                regions.append((loc, piece.shape, entry.dtype, local, dest))
             commits.append((req, dest))
+        store._verify_pieces(list(checked.values()))  # before any destination changes
+        for region in regions:
+            reads.region(*region)
         reads.run()
         for req, dest in commits:
             planner.commit_tensor(req, dest)

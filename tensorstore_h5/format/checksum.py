@@ -11,7 +11,7 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["HASH_BLOCK", "digest", "to_hex", "from_hex", "block_hashes", "block_ends", "BlockHasher", "ChecksumError"]
+__all__ = ["HASH_BLOCK", "digest", "stream", "to_hex", "from_hex", "block_hashes", "block_ends", "BlockHasher", "ChecksumError"]
 
 HASH_BLOCK = 8 * 2**20
 """Bytes per checksum block of contiguous data written by this library (one read piece)."""
@@ -24,6 +24,11 @@ class ChecksumError(Exception):
 def digest(data: Any) -> int:
     """XXH3-64 of a bytes-like object (any buffer, no copy)."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def stream() -> Any:
+    """A new XXH3-64 hasher (``update(buffer)``, ``intdigest()``) for data read in pieces."""
+    return xxhash.xxh3_64()
 
 
 def to_hex(h: int) -> str:

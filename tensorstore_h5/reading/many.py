@@ -26,7 +26,7 @@ from ..format.slicing import Selection, whole
 from ..format.tree import Leaf
 from ..storage import files, memory, parallel, remote
 from ..transfer import Device
-from .tensors import TensorReader, data_bytes
+from .tensors import TensorReader, checking, data_bytes
 
 __all__ = ["Reader"]
 
@@ -34,7 +34,7 @@ __all__ = ["Reader"]
 class Reader(TensorReader):
     """The reads of a store: those of :class:`TensorReader`, and of many tensors at once."""
 
-    def items(self, entries: list[Any], device: Device, mmap: bool, verify: bool) -> Iterator[tuple[str, Any]]:
+    def items(self, entries: list[Any], device: Device, mmap: bool, verify: bool | None) -> Iterator[tuple[str, Any]]:
         """``(key path, value)`` of each leaf entry, read one at a time (see ``Store.items``)."""
         alive: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
         fmap = files.FileMap(self.rawfile(), whole=False) if mmap else None  # each tensor unmapped when dropped
@@ -63,19 +63,22 @@ class Reader(TensorReader):
             memory.streamed(data_bytes(entry))  # what the caller freed since the last one goes back
             yield entry.path, self.read_leaf(entry, alive, device, fmap, None, verify)
 
-    def read_many(self, parts: list[tuple[str, TensorEntry, Selection]]) -> dict[str, torch.Tensor]:
-        """``{key: new CPU tensor}`` for ``(key, entry, selection)`` parts; over a URL every range
-        they touch is fetched at once (see ``Store.read_many``)."""
+    def read_many(self, parts: list[tuple[str, TensorEntry, Selection]], verify: bool | None = None
+                  ) -> dict[str, torch.Tensor]:
+        """``{key: new CPU tensor}`` for ``(key, entry, selection)`` parts, checked as
+        :func:`checking` says; over a URL every range they touch is fetched at once (see
+        ``Store.read_many``)."""
         raw = self.rawfile()
         try:
             if not self.local:
                 with self.fetching([key for key, _, sel in parts if not sel.empty]):
                     raw.prefetch([r for _, entry, sel in parts if not sel.empty for r in self.ranges(entry, sel)])
-            return {key: self.read_tensor(entry, sel, None, restore_layout=False) for key, entry, sel in parts}
+            return {key: self.read_tensor(entry, sel, None, restore_layout=False, verify=checking(verify, sel.full))
+                    for key, entry, sel in parts}
         finally:
             raw.release()
 
-    def walk(self, entries: list[Any], verify: bool) -> Iterator[Container | Leaf]:
+    def walk(self, entries: list[Any], verify: bool | None) -> Iterator[Container | Leaf]:
         """Containers and leaves of ``entries`` in pre-order, each leaf read when it is reached
         (see ``Store.walk``)."""
         tied = {e.same_as for e in entries if isinstance(e, TensorEntry) and e.same_as is not None}
@@ -92,9 +95,10 @@ class Reader(TensorReader):
                     yield Leaf(entry.path, entry.key, value)
                     del value  # not held while the next leaf is read
 
-    def load(self, entries: list[Any], device: Device, progress: bool | None, mmap: bool, verify: bool
+    def load(self, entries: list[Any], device: Device, progress: bool | None, mmap: bool, verify: bool | None
              ) -> list[Container | Leaf]:
-        """Containers and read leaves of ``entries``, for ``tree.inflate`` (see ``Store.load``)."""
+        """Containers and read leaves of ``entries``, for ``tree.inflate`` (see ``Store.load``;
+        ``verify`` as :meth:`read_leaf` takes it)."""
         cache: dict[str, torch.Tensor] = {}
         items: list[Container | Leaf] = []
         fmap = files.FileMap(self.rawfile()) if mmap else None
@@ -116,12 +120,14 @@ class Reader(TensorReader):
                          if (d := self._stageable(e, device)) is not None]
                 self._stage_many(pairs, lambda e: bar.update(data_bytes(e)))
                 staged = {e.path: t for e, t in pairs}
+                if verify is not False:  # their bytes once more, from the page cache, hashed on the I/O threads
+                    self.verify_many([e for e, _ in pairs])
             for group, filled in self._fetched(entries, direct):
                 for entry in group:
                     if isinstance(entry, Container):
                         items.append(entry)
                     else:
-                        leaf = self.read_leaf(entry, cache, device, fmap, plan, verify,
+                        leaf = self.read_leaf(entry, cache, device, fmap, plan, False if entry.path in staged else verify,
                                               staged.get(entry.path, filled.get(entry.path)))
                         items.append(Leaf(entry.path, entry.key, leaf))
                         if entry.path not in staged:
@@ -237,19 +243,21 @@ class Reader(TensorReader):
             pool.shutdown(wait=True)
             raw.release()
 
-    def read_into(self, pairs: list[tuple[TensorEntry, torch.Tensor]], progress: bool | None, verify: bool) -> None:
+    def read_into(self, pairs: list[tuple[TensorEntry, torch.Tensor]], progress: bool | None, verify: bool | None
+                  ) -> None:
         """Fill each target from its entry (shapes already checked; a target of another dtype
         is filled through a temporary of the stored dtype, cast like ``copy_``).
 
         Every dataset is checked first (storage, type, shape, byte range inside the file),
-        and with ``verify`` every checksum, so a damaged file is refused before any target
-        changes.
+        and unless ``verify`` is False every checksum (:meth:`verify_many`: one more pass over
+        the bytes, hashed on the I/O threads), so a damaged file is refused before any target
+        changes. Over a URL the default (None) checks each batch's fetched bytes before that
+        batch's targets are written, rather than fetching everything twice (True does).
         """
         for entry, _ in pairs:
             self.where(entry)
-        if verify:
-            for entry, _ in pairs:
-                self.verify_stored(entry)
+        if verify is True or (verify is None and self.local):
+            self.verify_many([e for e, _ in pairs])
         targets = {id(e): t for e, t in pairs}
         with self._batched(progress, sum(e.nbytes for e, _ in pairs)) as (bar, plan):
             if self.local and transfer.batched():  # device targets: many tensors per staging buffer
@@ -259,6 +267,8 @@ class Reader(TensorReader):
                 done = {id(e) for e, _ in staged}
                 pairs = [(e, t) for e, t in pairs if id(e) not in done]
             for group, _ in self._fetched([e for e, _ in pairs]):
+                if verify is None and not self.local:
+                    self.verify_many(group)  # the batch's fetched bytes, before its targets change
                 for entry in group:
                     target = targets[id(entry)]
                     sel = whole(entry.shape)

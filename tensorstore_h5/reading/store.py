@@ -28,7 +28,7 @@ from ..storage import files, libhdf5, memory, remote
 from ..transfer import Device
 from .many import Reader
 from .select import Selector, closest, resolve
-from .tensors import data_bytes
+from .tensors import checking, data_bytes, touched
 
 __all__ = ["Store", "TensorHandle", "EntryView", "Device"]
 
@@ -101,7 +101,7 @@ class TensorHandle(EntryView):
         return self.read(index=index)
 
     def read(self, out: torch.Tensor | None = None, *, index: Any = None, mmap: bool = False,
-             verify: bool = False) -> torch.Tensor:
+             verify: bool | None = None) -> torch.Tensor:
         """Read the tensor, or the part selected by ``index``, into ``out`` or a new tensor.
 
         Args:
@@ -111,7 +111,10 @@ class TensorHandle(EntryView):
             index: what ``h[index]`` would take: integers, slices (positive step), ``...``.
             mmap: return a tensor backed by the file's pages (copy-on-write) when the dataset
                 is contiguous, uncompressed, row-major and aligned; otherwise read as usual.
-            verify: check the stored checksums of the tensor (whole reads only).
+            verify: check the stored checksums. By default (None) a read of the whole tensor
+                is checked, a slice or a mapping is not; True checks the checksum blocks (8 MiB)
+                or compressed chunks a slice touches, and the mapped bytes; False checks nothing.
+                With ``out``, the bytes are checked before ``out`` changes (one more read).
 
         Returns:
             ``out``, or the new tensor.
@@ -122,18 +125,20 @@ class TensorHandle(EntryView):
             FormatError: the dataset cannot be read (damaged or truncated file, or, with
                 ``verify``, a checksum that does not match).
         """
-        if verify and index is not None:
-            raise ValueError("verify checks whole tensors; read without index, then slice")
         sel = select_index(() if index is None else index, self._entry.shape)
         reader = self._store._reader
         if mmap:
             if out is not None or index is not None:
                 raise ValueError("read(mmap=True) maps the whole tensor; it takes no out or index")
-            mapped = reader.mapped(self._entry, files.FileMap(reader.rawfile(), whole=False), verify)
+            mapped = reader.mapped(self._entry, files.FileMap(reader.rawfile(), whole=False), verify is True)
             if mapped is not None:
                 return mapped
+        check = checking(verify, sel.full)
         try:
-            return reader.read_tensor(self._entry, sel, out, restore_layout=index is None, verify=verify, fetch=True)
+            if out is not None and check and not sel.empty:  # out changes only once the bytes are known good
+                reader.verify_stored(self._entry, None if sel.full else touched(self._entry, sel))
+                check = False
+            return reader.read_tensor(self._entry, sel, out, restore_layout=index is None, verify=check, fetch=True)
         finally:
             reader.rawfile().release()
 
@@ -283,7 +288,7 @@ class Store:
     # -- loading ------------------------------------------------------------------------
 
     def items(self, select: Selector = None, device: Device = None, *, mmap: bool = False,
-              verify: bool = False) -> Iterator[tuple[str, Any]]:
+              verify: bool | None = None) -> Iterator[tuple[str, Any]]:
         """Yield ``(key path, value)`` for the selected leaves, one at a time, in saved order.
 
         The store keeps no reference to what it yields, so memory falls as the caller drops
@@ -296,11 +301,11 @@ class Store:
         entries = [e for e in self._layout.select(included) if not isinstance(e, Container)]
         yield from self._reader.items(entries, device, mmap, verify)
 
-    def read_many(self, selections: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    def read_many(self, selections: Mapping[str, Any], *, verify: bool | None = None) -> dict[str, torch.Tensor]:
         """A part of each of several tensors: ``{key path: index}`` (what ``h[index]`` takes;
         ``...`` for all of it) to ``{key path: new CPU tensor}``. Over a URL, every range they
         touch is fetched at once (neighbours in one request, the rest concurrently) instead
-        of one round trip per tensor.
+        of one round trip per tensor. ``verify`` as for :meth:`TensorHandle.read`.
 
         Raises KeyNotFoundError, IndexError, FormatError as :meth:`TensorHandle.read` does.
         """
@@ -310,9 +315,9 @@ class Store:
             if not isinstance(entry, TensorEntry):
                 raise KeyNotFoundError(f"{self.path}: {key!r} is not a tensor")
             parts.append((key, entry, select_index(index, entry.shape)))
-        return self._reader.read_many(parts)
+        return self._reader.read_many(parts, verify)
 
-    def walk(self, select: Selector = None, *, verify: bool = False) -> Iterator[Container | Leaf]:
+    def walk(self, select: Selector = None, *, verify: bool | None = None) -> Iterator[Container | Leaf]:
         """The selected part of the file as ``tree.flatten`` gives an object: containers and
         leaves in pre-order, each leaf read when it is reached (tied tensors come back as one
         while alive). What :meth:`Writer.write_tree` takes, to copy a file key by key."""
@@ -330,7 +335,7 @@ class Store:
         return [p for p in self._leaf_paths if p in included]
 
     def load(self, select: Selector = None, device: Device = None, progress: bool | None = None, *,
-             mmap: bool = False, verify: bool = False) -> Any:
+             mmap: bool = False, verify: bool | None = None) -> Any:
         """Load the selected leaves into the saved nesting (pruned to what was selected).
 
         Args:
@@ -342,19 +347,22 @@ class Store:
                 to them never reach the file or another tensor) for contiguous uncompressed
                 datasets saved row-major, all views of one mapping of the file that lives
                 while any of them does; other tensors are read as usual.
-            verify: check every tensor's stored checksums (format 2; a format-1 file has
-                none). About the cost of one more pass over the bytes, in the I/O threads.
+            verify: check the stored checksums (format 2; a format-1 file has none). By
+                default (None) every tensor read is checked as it is read, on the I/O threads
+                (bench: a few per cent); tensors that ``mmap`` maps are not (that would read
+                them all), unless True. False checks nothing.
 
         Raises:
             KeyNotFoundError: an exact key in ``select`` is not in the file.
-            FormatError: data cannot be read, or (``verify``) a checksum does not match.
+            FormatError: data cannot be read, or a checked checksum does not match.
             TensorStoreError: a device that does not exist here.
         """
         with memory.gc_paused():  # many new objects, none in a cycle
             included = resolve(select, self._leaf_paths, self._container_paths, self.path)
             return tree.inflate(self._reader.load(self._layout.select(included), device, progress, mmap, verify))
 
-    def _read_into(self, pairs: list[tuple[TensorEntry, torch.Tensor]], progress: bool | None, verify: bool) -> None:
+    def _read_into(self, pairs: list[tuple[TensorEntry, torch.Tensor]], progress: bool | None, verify: bool | None
+                   ) -> None:
         """Fill existing targets from their entries, every entry checked first (what ``load_into``
         calls, as on a ``ShardedStore``; see :meth:`Reader.read_into`)."""
         self._reader.read_into(pairs, progress, verify)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -31,7 +32,7 @@ from ..storage import files, libhdf5, memory, parallel, remote
 from ..storage.libhdf5 import HDF5Read
 from ..transfer import Device
 
-__all__ = ["TensorReader", "READ_ERRORS", "data_bytes"]
+__all__ = ["TensorReader", "READ_ERRORS", "checking", "data_bytes"]
 
 READ_ERRORS = (OSError, EOFError, DecodeError, checksum.ChecksumError, ValueError)
 """What a read of stored bytes raises for a damaged or changed file (re-raised as FormatError)."""
@@ -167,12 +168,7 @@ class TensorReader:
         where = self.where(entry)
         if where is None or isinstance(where, HDF5Read):
             return []
-        lo, hi = 0, where.nbytes
-        if sel is not None and not sel.empty:
-            row = entry.dtype.itemsize * math.prod(entry.shape[1:]) if entry.shape else entry.dtype.itemsize
-            first = sel.start[0] if entry.shape else 0
-            last = first + (sel.count[0] - 1) * sel.step[0] + 1 if entry.shape else 1
-            lo, hi = first * row, last * row  # the rows the selection touches
+        lo, hi = touched(entry, sel) if sel is not None and not sel.empty else (0, where.nbytes)
         if isinstance(where, Contiguous):
             return [(where.offset + lo, hi - lo)]
         out = []
@@ -184,9 +180,12 @@ class TensorReader:
         return out
 
     def read_leaf(self, entry: Any, cache: Any, device: Device, fmap: files.FileMap | None, plan: parallel.ReadPlan | None,
-                   verify: bool, filled: torch.Tensor | None = None) -> Any:
-        """A leaf's value. ``filled``: a CPU tensor already holding the entry's stored bytes
-        (:meth:`Reader._fetched` of a remote source), checked (``verify``) and laid out here."""
+                   verify: bool | None, filled: torch.Tensor | None = None) -> Any:
+        """A leaf's value. ``verify``: check the stored checksums (None: of what is read, not of
+        what ``fmap`` maps, see :func:`checking`). ``filled``: a tensor already holding the
+        entry's stored bytes (:meth:`Reader._fetched` of a remote source), checked and laid
+        out here."""
+        mapped_check, verify = verify is True, verify is not False
         if isinstance(entry, ValueEntry):
             return entry.value
         if isinstance(entry, ForeignEntry):
@@ -199,7 +198,7 @@ class TensorReader:
             t = flagged(t.detach(), entry)  # the same memory as another key, saved as another kind of tensor
         elif t is None:
             target = self.target(device, entry.path)
-            t = self.mapped(entry, fmap, verify) if fmap is not None and target is None else None
+            t = self.mapped(entry, fmap, mapped_check) if fmap is not None and target is None else None
             if filled is not None:
                 if verify and filled.device.type == "cpu":
                     self.check_hashes(entry, filled)
@@ -323,8 +322,9 @@ class TensorReader:
         """Read ``sel`` of ``entry`` into ``out`` (checked first) or a new tensor.
 
         With ``plan``, raw reads are only queued: the caller runs the plan before using the
-        result (only for results that need no copy afterwards). ``verify`` (whole reads)
-        checks the stored checksums. ``fetch``: a remote source first fetches the ranges the
+        result (only for results that need no copy afterwards). ``verify`` checks
+        the stored checksums: all of them for a whole read, else those of the checksum blocks
+        or chunks the selection touches. ``fetch``: a remote source first fetches the ranges the
         selection touches (callers that read many tensors fetch for all of them at once).
         """
         dtype = entry.dtype.torch_dtype
@@ -335,7 +335,9 @@ class TensorReader:
             )
         where = self.where(entry)
         raw = self.rawfile()
-        verify = verify and sel.full
+        whole_check = verify and sel.full
+        if verify and not sel.full and isinstance(where, Contiguous) and not sel.empty:
+            self.verify_stored(entry, touched(entry, sel))  # the checksum blocks the selection touches
         if fetch and not self.local and not sel.empty:
             with self.fetching([entry.path]):
                 raw.prefetch(self.ranges(entry, sel))  # the chunks or rows it touches, in few requests
@@ -352,10 +354,15 @@ class TensorReader:
                 raw.pread(where.offset + off, buf)
 
         if out is not None and transfer.staged(out.device) and out.is_contiguous() and not sel.empty:
-            if verify:
+            stager = self._stagers[out.device]
+            # A compressed tensor's chunks are checked as they decode; contiguous data in the
+            # staging buffers, block by block, where whole checksum blocks fit a buffer.
+            in_flight = whole_check and isinstance(where, Contiguous) and where.hashes is not None and \
+                ranged and where.block <= stager.block_bytes
+            gds = self.local and isinstance(where, Contiguous) and ranged and transfer.gds_device(out.device)
+            if whole_check and isinstance(where, Contiguous) and (gds or not in_flight):
                 self.verify_stored(entry)
-            if self.local and isinstance(where, Contiguous) and ranged and transfer.gds_device(out.device) and \
-                    transfer.gds_read(_fd_path(raw, self.path), where.offset + skip, out):
+            if gds and transfer.gds_read(_fd_path(raw, self.path), where.offset + skip, out):
                 return out
             stage, align = None, 1
             if ranged and reader is None and self.local:  # the block read by all the I/O threads at once
@@ -366,7 +373,10 @@ class TensorReader:
                 align = reader.chunk_bytes if reader is not None else 1
                 stage = lambda off, buf: fetch(skip + off, memory.tensor_buffer(buf))  # noqa: E731
             elif isinstance(where, HDF5Read):
-                stage, align = self._hdf5_rows(entry, where, sel, self._stagers[out.device].block_bytes)
+                stage, align = self._hdf5_rows(entry, where, sel, stager.block_bytes)
+            if stage is not None and in_flight and not (gds and whole_check):
+                assert isinstance(where, Contiguous) and where.hashes is not None
+                stage, align = _hashing(stage, where.hashes, where.block), where.block
             if stage is not None:
                 self.keyed(lambda: self._stagers[out.device].copy(out, stage, entry.path, align=align), entry)()
                 return out
@@ -388,12 +398,12 @@ class TensorReader:
                     queue.add_job(self.keyed(job, entry), job.n * DECODE_COST)
             elif queue is None:  # one small range: read it here
                 self.keyed(lambda: fetch(skip, memory.tensor_buffer(dest)), entry)()
-                if verify:
+                if whole_check:
                     self.check_hashes(entry, dest)
             else:
                 assert isinstance(where, Contiguous)
                 queue.add(where.offset + skip, dest, lambda job: self.keyed(job, entry),
-                          where.hashes if verify else None, where.block)
+                          where.hashes if whole_check else None, where.block)
             if queue is not None and queue is not plan:
                 self.run(queue)
         if out is None:
@@ -413,29 +423,106 @@ class TensorReader:
                 checksum.block_hashes(memory.tensor_buffer(values), where.block) != list(where.hashes):
             raise FormatError(f"{self.path}: key {entry.path!r}: {why(checksum.ChecksumError('its data'))}")
 
-    def verify_stored(self, entry: TensorEntry) -> None:
-        """Check ``entry``'s stored checksums by reading its bytes once (nothing kept)."""
-        where = self.where(entry)
-        if where is None or isinstance(where, HDF5Read) or where.hashes is None:
-            return
-        scratch = torch.empty(min(entry.nbytes, parallel.PIECE_BYTES), dtype=torch.uint8, device="cpu")
-        try:
+    def verify_stored(self, entry: TensorEntry | ArrayEntry, span: tuple[int, int] | None = None) -> None:
+        """Check ``entry``'s stored checksums by reading its bytes once (nothing kept): all of
+        them, or (``span``: logical bytes ``[lo, hi)``) those of the checksum blocks or chunks
+        that the span touches. Raises FormatError naming the file and key."""
+        self.verify_many([entry], {id(entry): span} if span is not None else None)
+
+    def verify_many(self, entries: Sequence[Any], spans: dict[int, tuple[int, int]] | None = None) -> None:
+        """Check the stored checksums of every tensor and array entry of ``entries`` (others,
+        aliases and data without checksums are skipped) in one pass over their stored bytes
+        on the I/O threads: neighbouring small ranges by one ``pread``, each checksum block or
+        compressed chunk a job, nothing kept (per-thread scratch of :data:`parallel.PIECE_BYTES`).
+        ``spans``: by ``id(entry)``, the logical bytes ``[lo, hi)`` to check (see
+        :meth:`verify_stored`). Raises FormatError naming the file and the first bad key."""
+        raw = self.rawfile()
+        ranges: list[tuple[int, int, int | None, Any]] = []  # file offset, bytes, hash, entry
+        jobs: list[Callable[[], None]] = []
+        for e in entries:
+            if not isinstance(e, (TensorEntry, ArrayEntry)) or getattr(e, "same_as", None) is not None:
+                continue
+            where = self.where(e)
+            if where is None or isinstance(where, HDF5Read) or where.hashes is None:
+                continue
+            lo, hi = spans[id(e)] if spans and id(e) in spans else (0, where.nbytes)
+            if hi <= lo:
+                continue
             if isinstance(where, Contiguous):
-                raw = self.rawfile()
-                for i, h in enumerate(where.hashes):
-                    n = min(where.block, where.nbytes - i * where.block)
-                    view = memory.tensor_buffer(scratch)[:n] if n <= scratch.numel() else memoryview(bytearray(n))
-                    raw.pread(where.offset + i * where.block, view)
-                    if checksum.digest(view) != h:
-                        raise checksum.ChecksumError(f"block {i}, bytes {i * where.block}..{i * where.block + n} of its data")
+                b = where.block
+                for i in range(lo // b, (hi - 1) // b + 1):
+                    ranges.append((where.offset + i * b, min(b, where.nbytes - i * b), where.hashes[i], e))
             else:
-                reader = ChunkReader(where, self.rawfile().pread, verify=True)
-                dest = bytearray(where.chunk_bytes)
-                for k in range(len(where.chunks)):
+                reader = ChunkReader(where, raw.pread, verify=True)
+                for k in range(where.locate(lo), len(where.chunks)):
                     start, valid = where.span(k)
-                    reader.read(start, memoryview(dest)[:valid])
-        except READ_ERRORS as e:
-            raise FormatError(f"{self.path}: key {entry.path!r}: {why(e)}") from e
+                    if start >= hi:
+                        break
+                    jobs.append(self.keyed(lambda r=reader, s=start, v=valid: r.read(s, _scratch(v)), e))
+        ranges.sort(key=lambda r: r[0])
+        window: list[tuple[int, int, int | None, Any]] = []
+        for r in ranges:
+            if window and (r[0] - (window[-1][0] + window[-1][1]) > parallel.SMALL_GAP or
+                           r[0] + r[1] - window[0][0] > parallel.PIECE_BYTES):
+                jobs.append(self._hash_job(window))
+                window = []
+            window.append(r)
+        if window:
+            jobs.append(self._hash_job(window))
+        parallel.run_jobs(jobs)  # (a remote source reads what it has not fetched by a request per window)
+
+    def _hash_job(self, window: list[tuple[int, int, int | None, Any]]) -> Callable[[], None]:
+        """A job reading the ranges of ``window`` (sorted, close together) by one ``pread`` (or,
+        for one range longer than the scratch, piece by piece) and checking each one's hash."""
+        raw = self.rawfile()
+        first = window[0][0]
+        span = window[-1][0] + window[-1][1] - first
+
+        def job() -> None:
+            if span > parallel.PIECE_BYTES:  # one block larger than a piece: hashed as a stream
+                (offset, n, expected, entry), = window
+                h = checksum.stream()
+                for at in range(0, n, parallel.PIECE_BYTES):
+                    view = _scratch(min(parallel.PIECE_BYTES, n - at))
+                    raw.pread(offset + at, view)
+                    h.update(view)
+                if h.intdigest() != expected:
+                    raise checksum.ChecksumError(f"the block at byte {offset} of the file")
+                return
+            view = _scratch(span)
+            raw.pread(first, view)
+            for offset, n, expected, entry in window:
+                if checksum.digest(view[offset - first:offset - first + n]) != expected:
+                    raise FormatError(f"{self.path}: key {entry.path!r}: "
+                                      f"{why(checksum.ChecksumError(f'bytes {offset}..{offset + n} of the file'))}")
+
+        return self.keyed(job, window[0][3])
+
+
+def _hashing(stage: Callable[[int, torch.Tensor], None], hashes: Sequence[int], block: int
+             ) -> Callable[[int, torch.Tensor], None]:
+    """``stage`` (filling a staging buffer with the bytes at a multiple of ``block``) that then
+    checks each checksum block in the buffer on the I/O threads (ChecksumError)."""
+    def fill(off: int, buf: torch.Tensor) -> None:
+        stage(off, buf)
+        view = memory.tensor_buffer(buf)
+
+        def check(i: int) -> None:
+            if checksum.digest(view[i:i + block]) != hashes[(off + i) // block]:
+                raise checksum.ChecksumError(f"block {(off + i) // block}, bytes {off + i}..{off + i + block} of its data")
+        parallel.run_jobs([lambda i=i: check(i) for i in range(0, len(view), block)])
+    return fill
+
+
+_scratch_bufs = threading.local()
+
+
+def _scratch(n: int) -> memoryview:
+    """A per-thread scratch buffer of ``n`` bytes (reused; grown as needed)."""
+    buf = getattr(_scratch_bufs, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _scratch_bufs.buf = bytearray(max(n, 2**16))
+    return memoryview(buf)[:n]
 
 
 def flagged(t: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
@@ -460,6 +547,22 @@ def _fd_path(raw: files.RawFile, path: str) -> str:
     """A path that opens the very file ``raw`` has open (Linux), else ``path``."""
     proc = f"/proc/self/fd/{raw._fileno()}"
     return proc if os.path.exists(proc) else path
+
+
+def checking(verify: bool | None, whole: bool = True) -> bool:
+    """Whether a read checks the stored checksums: ``verify`` when given; by default (None) a
+    read that covers whole checksum blocks (a whole tensor) does, a slice or a mapping not."""
+    return whole if verify is None else verify
+
+
+def touched(entry: TensorEntry, sel: Selection) -> tuple[int, int]:
+    """The logical bytes ``[lo, hi)`` of ``entry`` in the rows that ``sel`` (not empty) touches."""
+    if not entry.shape:
+        return 0, entry.dtype.itemsize
+    row = entry.dtype.itemsize * math.prod(entry.shape[1:])
+    first = sel.start[0]
+    last = first + (sel.count[0] - 1) * sel.step[0] + 1
+    return first * row, last * row
 
 
 def data_bytes(entry: Any) -> int:

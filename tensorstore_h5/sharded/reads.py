@@ -143,13 +143,6 @@ class Th5Files:
             return Loc(full, piece.key, handle=TensorHandle(store, e))
         return Loc(full, piece.key)
 
-    def verify(self, piece: Piece, owner: str) -> None:
-        store, e = self.entry(piece, owner, (TensorEntry, ArrayEntry))  # type: ignore[arg-type]
-        if isinstance(e, TensorEntry):
-            store._reader.verify_stored(e)
-        else:
-            store._reader.read_array(e, verify=True)
-
     def read_array(self, entry: ShardedArrayEntry) -> np.ndarray:
         if len(entry.pieces) != 1 or any(entry.pieces[0].offsets):
             raise FormatError(f"{self.index.path}: key {entry.path!r}: an array is stored as one piece")

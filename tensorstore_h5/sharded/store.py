@@ -16,11 +16,12 @@ from ..display import Progress, human_bytes
 from ..errors import FormatError, KeyNotFoundError, MismatchError, MissingFileError, TensorStoreError
 from ..format import tree
 from ..format.dtypes import bits_view
-from ..format.layout import ValueEntry
+from ..format.layout import ArrayEntry, TensorEntry, ValueEntry
 from ..format.slicing import Selection, contiguous_stride, select as select_index
 from ..format.tree import Container, Leaf
 from ..reading.select import Selector, closest, resolve
 from ..reading.store import EntryView
+from ..reading.tensors import checking
 from ..storage import files, memory
 from ..transfer import Device
 from .index import (
@@ -73,11 +74,13 @@ class ShardedTensorHandle(EntryView):
     def __getitem__(self, index: Any) -> torch.Tensor:
         return self.read(index=index)
 
-    def read(self, out: torch.Tensor | None = None, *, index: Any = None, verify: bool = False) -> torch.Tensor:
+    def read(self, out: torch.Tensor | None = None, *, index: Any = None, verify: bool | None = None) -> torch.Tensor:
         """Read the tensor, or the part selected by ``index`` (integers, slices with a positive
         step, ``...``), into ``out`` (any tensor of the selection's shape and of this dtype,
         checked first) or a new CPU tensor. ``verify`` checks the stored checksums of the
-        pieces read (a second pass over their bytes)."""
+        pieces read, before ``out`` changes (one more pass over their bytes): by default
+        (None) for a read of the whole tensor; True also for a slice (every piece it
+        overlaps); False never."""
         return self._store._read_handle(self._entry, index, out, verify)
 
     def __repr__(self) -> str:
@@ -267,9 +270,11 @@ class ShardedStore:
 
     # -- loading ------------------------------------------------------------------------
 
-    def items(self, select: Selector = None, device: Device = None, *, verify: bool = False) -> Iterator[tuple[str, Any]]:
+    def items(self, select: Selector = None, device: Device = None, *, verify: bool | None = None
+              ) -> Iterator[tuple[str, Any]]:
         """Yield ``(key path, value)`` of the selected leaves one at a time, in saved order (each
-        tensor read from its pieces when it is reached; nothing is kept)."""
+        tensor read from its pieces when it is reached; nothing is kept). ``verify`` as for
+        :meth:`load`."""
         included = resolve(select, self._layout.leaf_paths, self._layout.container_paths, self.path)
         device = transfer.asked_once(device)  # looked up when checked and again when placed
         for entry in self._layout.select(included):
@@ -277,7 +282,7 @@ class ShardedStore:
                 yield entry.path, self._read_leaf(entry, device, verify)
 
     def load(self, select: Selector = None, device: Device = None, progress: bool | None = None, *,
-             verify: bool = False) -> Any:
+             verify: bool | None = None) -> Any:
         """Load the selected leaves into the saved nesting (pruned to the selection), reading
         every piece of every selected tensor once, on the I/O threads.
 
@@ -286,7 +291,9 @@ class ShardedStore:
             device: where tensors go: None (CPU), a device, or a mapping / callable from key
                 path to device.
             progress: a progress bar by bytes (see :func:`tensorstore_h5.save`).
-            verify: check the stored checksums of every piece read (a second pass).
+            verify: check the stored checksums of every piece read (one more pass over the
+                bytes, from the page cache, hashed on the I/O threads): by default (None) and
+                with True; not with False. Safetensors directories carry no checksums.
         """
         included = resolve(select, self._layout.leaf_paths, self._layout.container_paths, self.path)
         entries = self._layout.select(included)
@@ -303,8 +310,6 @@ class ShardedStore:
                     items.append(entry)
                 elif isinstance(entry, ShardedTensorEntry):
                     dev = self._check_device(device, entry.path)
-                    if verify:
-                        self._verify(entry)
                     parts = self._stageable(entry) if dev is not None and transfer.staged(dev) and transfer.batched() else None
                     if parts is not None:
                         assert dev is not None
@@ -322,6 +327,8 @@ class ShardedStore:
                     items.append(Leaf(entry.path, entry.key, self._read_leaf(entry, device, verify)))
             reads.run()
             self._copy_staged(staged, bar)
+            if verify is not False:
+                self._verify_many([entry for _, entry, _ in pending])
         finally:
             bar.close()
         for i, entry, t in pending:
@@ -353,20 +360,20 @@ class ShardedStore:
         for dev, parts in staged.items():
             self._stagers[dev].copy_many(parts, lambda part: bar.update(part.numel() * part.element_size()))
 
-    def _read_leaf(self, entry: DirEntry, device: Device, verify: bool) -> Any:
+    def _read_leaf(self, entry: DirEntry, device: Device, verify: bool | None) -> Any:
         if isinstance(entry, ValueEntry):
             return entry.value
         if isinstance(entry, ShardedArrayEntry):
             if self._layout.safetensors:
                 raise FormatError(f"{self.path}: key {entry.path!r}: arrays are not stored in safetensors directories")
-            if verify:
-                self._files.verify(entry.pieces[0], entry.path)
+            if verify is not False:
+                self._verify_many([entry])
             return self._files.read_array(entry)
         assert isinstance(entry, ShardedTensorEntry)
         self._check_device(device, entry.path)
         t = self._empty(entry, entry.shape)
-        if verify:
-            self._verify(entry)
+        if verify is not False:
+            self._verify_many([entry])
         reads = Reads()
         self._fill(entry, select_index((), entry.shape), t, reads)
         reads.run()
@@ -378,7 +385,7 @@ class ShardedStore:
         if sub is None:
             raise KeyNotFoundError(f"{self.path}: no key {path!r}")
         if not isinstance(sub, Container):
-            return self._read_leaf(sub, device, False)
+            return self._read_leaf(sub, device, None)
         result = self.load(select=[path] if path else None, device=device)
         for name in tree.split(path):
             kind = type(result)
@@ -413,12 +420,31 @@ class ShardedStore:
             nbytes = math.prod(shape) * entry.dtype.itemsize
             raise TensorStoreError(f"{self.path}: key {entry.path!r}: cannot allocate {human_bytes(nbytes)} ({e})") from e
 
-    def _verify(self, entry: ShardedTensorEntry) -> None:
+    def _verify_many(self, entries: Sequence[DirEntry], sel: Selection | None = None) -> None:
+        """Check the stored checksums of every piece of ``entries`` (with ``sel``, of one entry:
+        the pieces it overlaps), each file's pieces in one pass over their bytes on the I/O
+        threads (:meth:`TensorReader.verify_many`). Raises FormatError naming the file and
+        key. Safetensors directories carry no checksums."""
+        pieces: list[tuple[Piece, str]] = []
+        for entry in entries:
+            if isinstance(entry, ShardedArrayEntry):
+                pieces.append((entry.pieces[0], entry.path))
+            elif isinstance(entry, ShardedTensorEntry):
+                pieces += [(p, entry.path) for p in entry.pieces
+                           if p.numel and (sel is None or piece_overlap(sel, p) is not None)]
+        self._verify_pieces(pieces)
+
+    def _verify_pieces(self, pieces: Sequence[tuple[Piece, str]]) -> None:
+        """Check the stored checksums of ``(piece, owner key)`` pieces, each file's in one pass
+        (see :meth:`_verify_many`)."""
         if self._layout.safetensors:
-            return  # safetensors files carry no checksums
-        for piece in entry.pieces:
-            if piece.numel:
-                self._files.verify(piece, entry.path)
+            return
+        by_file: dict[int, tuple[Any, list[Any]]] = {}
+        for piece, owner in pieces:
+            store, e = self._files.entry(piece, owner, (TensorEntry, ArrayEntry))
+            by_file.setdefault(id(store), (store, []))[1].append(e)
+        for store, stored in by_file.values():
+            store._reader.verify_many(stored)
 
     def _fill(self, entry: ShardedTensorEntry, sel: Selection, box: torch.Tensor, reads: Reads) -> None:
         """Queue the reads of ``sel`` of ``entry`` into ``box`` (shaped ``sel.count``)."""
@@ -443,19 +469,18 @@ class ShardedStore:
                               f"rank-local index (rank {self._layout.rank}); open the directory's global index")
         return out
 
-    def _read_into(self, pairs: list[tuple[ShardedTensorEntry, torch.Tensor]], progress: bool | None, verify: bool
-                   ) -> None:
+    def _read_into(self, pairs: list[tuple[ShardedTensorEntry, torch.Tensor]], progress: bool | None,
+                   verify: bool | None) -> None:
         """Fill each target (its shape already checked; contiguous device targets of the stored
         dtype straight from the files through the staging buffers where every piece holds whole
         rows; others through a temporary, cast like ``copy_``) with its global tensor, for
         :func:`tensorstore_h5.load_into`. Every piece's file and dataset is checked first, and
-        with ``verify`` every checksum, so a damaged directory is refused before any target
+        unless ``verify`` is False every checksum, so a damaged directory is refused before any target
         changes. Reads run in batches of about :data:`INTO_BATCH_BYTES`."""
         for entry, _ in pairs:
             self._located(entry, select_index((), entry.shape))
-        if verify:
-            for entry, _ in pairs:
-                self._verify(entry)
+        if verify is not False:
+            self._verify_many([e for e, _ in pairs])
         bar = Progress(progress, desc=f"loading {os.path.basename(self.path.rstrip('/'))}")
         bar.total(sum(e.nbytes for e, _ in pairs))
         staged: dict[torch.device, list[tuple[torch.Tensor, transfer.Fill]]] = {}
@@ -479,7 +504,8 @@ class ShardedStore:
         finally:
             bar.close()
 
-    def _read_handle(self, entry: ShardedTensorEntry, index: Any, out: torch.Tensor | None, verify: bool) -> torch.Tensor:
+    def _read_handle(self, entry: ShardedTensorEntry, index: Any, out: torch.Tensor | None, verify: bool | None
+                     ) -> torch.Tensor:
         sel = select_index(() if index is None else index, entry.shape)
         dtype = entry.dtype.torch_dtype
         if out is not None:
@@ -495,8 +521,8 @@ class ShardedStore:
         except RuntimeError:
             box = self._empty(entry, sel.count)
             post = result
-        if verify:
-            self._verify(entry)
+        if checking(verify, sel.full):
+            self._verify_many([entry], None if sel.full else sel)
         reads = Reads()
         self._fill(entry, sel, box, reads)
         reads.run()
@@ -520,8 +546,7 @@ class ShardedStore:
             n += 1
             try:
                 if isinstance(e, ShardedTensorEntry):
-                    self._verify(e)
-                    t = self._read_leaf(e, None, False)
+                    t = self._read_leaf(e, None, True)
                     total += t.numel() * t.element_size()
                     del t
                 elif isinstance(e, ShardedArrayEntry):

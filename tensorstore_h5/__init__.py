@@ -96,5 +96,15 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+_API_MODULES = ("distributed", "storage", "transfer")
+"""Submodules the docs name as API: the DCP backend (``tensorstore_h5.distributed``) and the
+settings of remote reads (``storage.remote``) and device transfers (``transfer``)."""
+
+
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    """The public API (``__all__``, the submodules of :data:`_API_MODULES`) and the module's
+    dunders: not the helpers this file imports (``Any``, ``TYPE_CHECKING``, ``annotations``)
+    nor the submodules imported along the way (``api``, ``reading``, ...), which stay
+    attributes."""
+    dunders = {name for name in globals() if name.startswith("__") and name.endswith("__")}
+    return sorted(set(__all__) | set(_API_MODULES) | dunders)

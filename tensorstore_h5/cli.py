@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from . import __version__
 from .convert import SUFFIXES, format_of
 from .display import AUTO_PROGRESS_BYTES, human_bytes
 from .errors import KeyNotFoundError, TensorStoreError
@@ -402,6 +404,8 @@ def _progress_argument(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The command line's parser (imports no torch)."""
     p = argparse.ArgumentParser(prog="tensorstore-h5", description=f"PyTorch checkpoints in HDF5 (format v{FORMAT_VERSION}).")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                   help="print the version of tensorstore_h5 and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     s = sub.add_parser("demo", help="save, inspect and load an embedded synthetic checkpoint")
     s.add_argument("--layers", type=_at_least_one, default=4, help="transformer layers (at least 1; default 4)")
@@ -439,11 +443,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+"""Terminal escape sequences (colours, bold) that messages of other libraries carry."""
+
+
 def _error_text(e: BaseException) -> str:
-    """The message of an expected error: it names the file (OSError's ``filename``)."""
+    """The message of an expected error: it names the file (OSError's ``filename``); without
+    terminal escape sequences (stderr may be a log file)."""
     if isinstance(e, OSError) and not isinstance(e, TensorStoreError) and e.filename is not None and e.strerror:
         return f"{e.filename}: {e.strerror}"
-    return str(e) or type(e).__name__
+    return _ESCAPES.sub("", str(e)) or type(e).__name__
 
 
 def _quiet_stdout() -> None:
@@ -469,9 +478,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageError as e:
         args.command_parser.error(str(e))  # exits with status 2, as argparse's own errors do
         raise AssertionError("unreachable") from None
-    except BrokenPipeError:  # `tensorstore-h5 ls big.h5 | head`: the reader has gone; stop quietly
-        _quiet_stdout()
-        return _EXIT_ERROR
+    except BrokenPipeError:  # `tensorstore-h5 ls big.h5 | head`: the reader took what it wanted, which is no
+        _quiet_stdout()      # error: stop quietly (status 0, no traceback, nothing printed at exit)
+        return _EXIT_OK
     except (TensorStoreError, OSError, ValueError) as e:
         print(f"tensorstore-h5: error: {_error_text(e)}", file=sys.stderr)
         return _EXIT_ERROR

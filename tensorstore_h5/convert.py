@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import struct
 import uuid
 from typing import TYPE_CHECKING, Any, Union
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
 __all__ = ["convert", "format_of", "SUFFIXES"]
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+"""Terminal escape sequences (bold, colours) that torch's messages carry."""
 
 SUFFIXES = {".h5": "h5", ".hdf5": "h5", ".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch",
             ".ckpt": "torch"}
@@ -185,8 +189,15 @@ def _from_torch(src: str, dst: str, progress: bool | None, options: dict[str, An
     try:
         obj = torch.load(src, map_location="cpu", weights_only=True, mmap=zipped)
     except Exception as e:  # unpickling errors come in many types
+        m = re.search(r"Unsupported (?:global: GLOBAL |class )([\w.]+)", str(e))
+        if type(e).__name__ == "UnpicklingError" and m:  # weights_only refused a global: a pickled object
+            raise FormatError(
+                f"{src}: holds a pickled {m.group(1)} object, not a state dict of tensors and plain values, and "
+                f"tensorstore_h5 does not unpickle objects (that can run code). If you trust the file: obj = "
+                f"torch.load({src!r}, weights_only=False), torch.save(obj.state_dict(), 'state.pt') (or a dict of "
+                "its tensors and plain values), then convert state.pt") from e
         raise FormatError(f"{src}: cannot load with weights_only=True, which refuses anything but tensors and plain "
-                          f"values ({e})") from e
+                          f"values ({_ESCAPES.sub('', str(e))})") from e
     save(obj, dst, metadata=options.pop("metadata", None), progress=progress, **options)  # announces "saving <dst>"
 
 

@@ -24,3 +24,12 @@ def device(request: pytest.FixtureRequest) -> torch.device:
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("CUDA is not available")
     return torch.device(request.param)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The fuzzer's file (tests/hostile/test_fuzz.py: 60 s, printing nothing while it runs) goes
+    last, so that a plain ``pytest`` starts with tests that report as they go. Nothing else moves."""
+    last = [item for item in items if item.path.name == "test_fuzz.py" and item.path.parent.name == "hostile"]
+    if last:
+        moved = set(map(id, last))
+        items[:] = [item for item in items if id(item) not in moved] + last

@@ -24,13 +24,16 @@ from __future__ import annotations
 import asyncio
 import bisect
 import concurrent.futures
+import contextvars
+import errno
 import io as stdio
 import os
 import re
+import socket
 import ssl
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from ..errors import TensorStoreError
@@ -45,8 +48,9 @@ __all__ = ["RETRIES", "MAX_GAP", "REQUEST_BYTES", "BATCH_BYTES", "FETCH_AHEAD", 
 _T = TypeVar("_T")
 
 RETRIES = 3
-"""Times a failed request is tried again (transient errors only: connection, timeout, 5xx; not
-a request that ran out of its :func:`deadline`)."""
+"""Times a failed request is tried again (transient errors only: connections dropped or reset,
+timeouts, 5xx; not a request that ran out of its :func:`deadline`, nor one that could not connect
+at all: see :func:`_connect_failure`)."""
 
 BACKOFF = 0.2
 """Seconds before the first retry (doubling each time)."""
@@ -234,11 +238,112 @@ def _status(e: BaseException) -> int | None:
     return int(m.group(1)) if m else None
 
 
+class _Unreachable(OSError):
+    """Raised by the botocore hook (:func:`_no_retry_when_unreachable`) instead of letting
+    botocore and s3fs try again a request that could not connect; ``reason`` says why, its
+    ``__cause__`` is botocore's error."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+_NO_NAME = {getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA", "EAI_FAIL", "EAI_ADDRFAMILY")
+            if hasattr(socket, name)}
+"""getaddrinfo's answers that a name has no address (others, such as ``EAI_AGAIN``, may pass)."""
+
+_NO_ROUTE = {errno.ECONNREFUSED: "connection refused", errno.EHOSTUNREACH: "no route to host",
+             errno.ENETUNREACH: "network unreachable"}
+
+
+def _linked(e: BaseException) -> Iterator[BaseException]:
+    """``e`` and the errors it wraps: ``__cause__`` and ``__context__``, aiohttp's ``os_error``
+    and ``certificate_error``, botocore's ``kwargs["error"]`` (a few levels, each once)."""
+    seen: set[int] = set()
+    todo = [e]
+    while todo and len(seen) < 16:
+        c = todo.pop(0)
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        yield c
+        kwargs = getattr(c, "kwargs", None)
+        for inner in (c.__cause__, c.__context__, getattr(c, "os_error", None), getattr(c, "certificate_error", None),
+                      kwargs.get("error") if isinstance(kwargs, dict) else None):
+            if isinstance(inner, BaseException):
+                todo.append(inner)
+
+
+def _connect_failure(e: BaseException) -> tuple[str, bool] | None:
+    """Why a request could not connect at all, and whether that lasts, from ``e`` or an error it
+    wraps (:func:`_linked`): ``(reason, lasting)``, None for any other error (a connection
+    dropped, reset or timed out, an HTTP status).
+
+    Lasting: a host name that does not resolve, a certificate that is not trusted: another try
+    fails the same way. Not lasting: a refused connection, no route to the host, a temporary
+    failure of name resolution (offline): they fail at once while nothing has answered yet
+    (a wrong host or port, or no network: trying again for seconds only hides that), and are
+    tried again once the server has answered (a server restarting, DNS flapping mid-load)."""
+    for c in _linked(e):
+        if isinstance(c, _Unreachable):
+            return c.reason, True
+        if isinstance(c, ssl.SSLCertVerificationError) or type(c).__name__ == "ClientConnectorCertificateError":
+            detail = getattr(c, "verify_message", None) or getattr(c, "reason", None) or ""
+            return f"the server's TLS certificate is not trusted{f' ({detail})' if detail else ''}", True
+        if isinstance(c, socket.gaierror):
+            if c.errno in _NO_NAME:
+                return "the host name does not resolve (a typo in it, or no network?)", True
+            return f"the host name could not be resolved ({c.strerror or c}: offline?)", False
+        if isinstance(c, OSError) and c.errno in _NO_ROUTE:
+            return _NO_ROUTE[c.errno], False
+        if isinstance(c, OSError) and c.errno is None and str(c).startswith("Multiple exceptions:"):
+            codes = {int(n) for n in re.findall(r"\[Errno (\d+)\]", str(c))}  # asyncio, one try per address
+            if codes and codes <= set(_NO_ROUTE):
+                return _NO_ROUTE[min(codes)], False
+    return None
+
+
+_CALLER: contextvars.ContextVar[RemoteSource | None] = contextvars.ContextVar("tensorstore_h5_remote", default=None)
+"""The source whose request runs in this context (fsspec runs its coroutines in the context of
+the thread that asks): botocore's retries stop early for it alone (:func:`_hook_botocore`)."""
+
+
+def _no_retry_when_unreachable(caught_exception: BaseException | None = None, **_: Any) -> None:
+    """botocore's ``needs-retry`` hook: for a request of a :class:`RemoteSource` that could not
+    connect (:func:`_connect_failure`, before the source has had an answer where that does not
+    last), raises :class:`_Unreachable` instead of botocore's retries (up to 4, with backoff) and
+    s3fs's (5, each with botocore's): an unreachable S3 endpoint fails at once. Anything else,
+    and other users of the same s3fs file system, keep botocore's own retries."""
+    src = _CALLER.get()
+    if src is None or caught_exception is None:
+        return None
+    failure = _connect_failure(caught_exception)
+    if failure is not None and (failure[1] or not src.answered):
+        raise _Unreachable(failure[0]) from caught_exception
+    return None
+
+
+def _hook_botocore(fs: Any) -> None:
+    """Register :func:`_no_retry_when_unreachable` on the botocore client of an s3fs file
+    system (once per client; nothing for other file systems, or where s3fs holds no client)."""
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    if not protocols & {"s3", "s3a"}:
+        return
+    try:
+        events = fs.s3.meta.events  # made on first use (no request is sent)
+        events.register_first("needs-retry.s3", _no_retry_when_unreachable, unique_id="tensorstore_h5.unreachable")
+    except Exception:  # noqa: BLE001 - another s3fs or botocore: its own retries stay, nothing else changes
+        pass
+
+
 def _transient(e: BaseException) -> bool:
-    """Errors worth another try: connections dropped or refused, timeouts, server errors; not a
-    request past its deadline (another try would take as long)."""
+    """Errors worth another try: connections dropped, reset or refused, timeouts, server errors;
+    not a request past its deadline (another try would take as long). (A connection that could
+    not be made is decided before, by :func:`_connect_failure`.)"""
     if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, DeadlineError)):
         return False
+    if _connect_failure(e) is not None:
+        return True  # not lasting, and the server has answered before: it may be back
     text = f"{type(e).__name__} {e}"
     if isinstance(e, (ConnectionError, TimeoutError, EOFError, ssl.SSLEOFError, ssl.SSLZeroReturnError)) or any(
             s in text for s in ("Connection", "Disconnected", "Timeout", "ClientPayloadError", "IncompleteRead",
@@ -271,6 +376,7 @@ class RemoteSource(files.Source):
         self.size = -1
         self.etag: str | None = None  # the version opened (a strong ETag), asked for by If-Match
         self.identity = (0, hash(url))
+        self.answered = False  # whether a request has had an answer: see _connect_failure
         self._client = self._plain_client()
 
     @property
@@ -332,22 +438,42 @@ class RemoteSource(files.Source):
         (fsspec's HTTP, s3fs) its coroutine, within :meth:`_on_loop`; others' plain method,
         unbounded."""
         fs = self._fs
-        if getattr(fs, "async_impl", False) and callable(getattr(fs, f"_{name}", None)):
-            return self._on_loop(nbytes, lambda: getattr(fs, f"_{name}")(*args, **kwargs))
-        return getattr(fs, name)(*args, **kwargs)
+        _hook_botocore(fs)
+        token = _CALLER.set(self)
+        try:
+            if getattr(fs, "async_impl", False) and callable(getattr(fs, f"_{name}", None)):
+                out = self._on_loop(nbytes, lambda: getattr(fs, f"_{name}")(*args, **kwargs))
+            else:
+                out = getattr(fs, name)(*args, **kwargs)
+        finally:
+            _CALLER.reset(token)
+        self.answered = True
+        return out
 
     def _info(self) -> dict[str, Any]:
         """The object's fsspec ``info`` (size, ETag), within :func:`deadline`."""
         return self._bounded(0, "info", self._key)
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, tried again after transient errors (:data:`RETRIES`, :data:`BACKOFF`); a
+        request that cannot connect fails at once (:func:`_connect_failure`). Raises RemoteError
+        naming the URL."""
         delay = BACKOFF
         for attempt in range(self.retries + 1):
+            token = _CALLER.set(self)
             try:
-                return fn()
+                out = fn()
+                self.answered = True
+                return out
             except BaseException as e:  # noqa: BLE001 - classified below, re-raised as RemoteError
                 if isinstance(e, (KeyboardInterrupt, SystemExit, RemoteError)):
                     raise
+                failure = _connect_failure(e)
+                if failure is not None and (failure[1] or not getattr(self, "answered", False)):
+                    shown = e.__cause__ if isinstance(e, _Unreachable) and e.__cause__ is not None else e
+                    tries = f" (after {attempt + 1} tries)" if attempt else ""
+                    raise RemoteError(f"{self.path}: {what}: cannot connect: {failure[0]}{tries}; not tried again "
+                                      f"({type(shown).__name__}: {shown})") from e
                 if attempt == self.retries or not _transient(e):
                     status = _status(e)
                     kind = "not found" if isinstance(e, FileNotFoundError) or status == 404 else \
@@ -356,6 +482,8 @@ class RemoteSource(files.Source):
                     raise RemoteError(f"{self.path}: {what}: {kind}{tries} ({type(e).__name__}: {e})") from e
                 time.sleep(delay)
                 delay *= 2
+            finally:
+                _CALLER.reset(token)
         raise AssertionError
 
     def head(self, head: int) -> bytes:
@@ -820,7 +948,8 @@ def upload(local: str, target: Any, storage_options: dict[str, Any] | None = Non
     fsspec = _fsspec()
     fs, key = fsspec.core.url_to_fs(target, **(storage_options or {}))
     src = RemoteSource.__new__(RemoteSource)
-    src.path, src.retries = target, RETRIES if retries is None else retries
+    src.path, src.retries, src.answered = target, RETRIES if retries is None else retries, False
+    _hook_botocore(fs)
     protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
     if protocols & {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}:
         src._call("upload", lambda: fs.put_file(local, key))

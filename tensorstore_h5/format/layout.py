@@ -5,15 +5,17 @@ This is the only module that knows the header, the layout text and the HDF5 attr
 a file. Everything read from a file passes through the ``parse_*`` functions below into
 frozen dataclasses; anything that does not parse raises :class:`FormatError` naming the file
 and the entry. Every byte range a format-2 layout names is checked against the file's length
-here, before any reader sees it.
+here, before any reader sees it, and the ranges of entries selected together against each
+other (``Layout.select``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import operator
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Union
@@ -208,8 +210,8 @@ def _chunk_geometry(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: in
 
 def check_chunked(extent: Chunked, file_size: int | None, start: int = USERBLOCK) -> None:
     """Check a chunk list, its filter and its ranges (FORMAT.md, "What readers refuse"):
-    every chunk inside ``[start, file_size)`` (``file_size`` None skips that). Raises
-    ValueError saying what is wrong."""
+    every chunk inside ``[start, file_size)`` (``file_size`` None skips that), no two chunks'
+    stored bytes overlapping. Raises ValueError saying what is wrong."""
     expected = 1
     for n, c in zip(extent.shape, extent.chunk_shape):
         expected *= -(-n // c)
@@ -217,6 +219,7 @@ def check_chunked(extent: Chunked, file_size: int | None, start: int = USERBLOCK
         raise ValueError(f"{len(extent.chunks)} chunks stored, the chunk grid has {expected} (unwritten chunks?)")
     cb = extent.chunk_bytes
     limit = cb + cb // 16 + 1024
+    last, ordered = 0, True  # chunks in increasing offsets (as libhdf5 writes them), each after the last one's end
     for off, size, raw in extent.chunks:
         if type(off) is not int or type(size) is not int or size < 0:
             raise ValueError(f"invalid chunk [{off!r}, {size!r}]")
@@ -226,6 +229,14 @@ def check_chunked(extent: Chunked, file_size: int | None, start: int = USERBLOCK
             raise ValueError(f"unfiltered chunk of {size} bytes, expected {cb}")
         if size > limit:
             raise ValueError(f"stored chunk of {size} bytes exceeds the bound for {cb}-byte chunks")
+        if size:
+            ordered = ordered and off >= last
+            last = off + size
+    if not ordered:  # any other order: sorted by start, disjoint iff each starts at or after the previous one's end
+        spans = sorted([(off, off + size, k) for k, (off, size, _) in enumerate(extent.chunks) if size])
+        for (a0, a1, i), (b0, b1, j) in zip(spans, spans[1:]):
+            if b0 < a1:
+                raise ValueError(f"stored chunks {i} ({a0}+{a1 - a0}) and {j} ({b0}+{b1 - b0}) overlap")
     _check_filter(extent)
     if extent.hashes is not None and len(extent.hashes) != len(extent.chunks):
         raise ValueError(f"{len(extent.hashes)} chunk hashes for {len(extent.chunks)} chunks")
@@ -352,17 +363,23 @@ class Layout:
 
     Opening checks the structure (paths unique, parents first) in one fast pass over the
     paths and types; each entry is parsed and checked the first time it is used, so listing
-    the keys of a 10,000-key file costs little. ``version`` is None for a foreign HDF5 file.
+    the keys of a 10,000-key file costs little. That no two entries share stored bytes is
+    checked when entries are selected together (:meth:`select`, :meth:`check_disjoint`), the
+    whole layout once. ``version`` is None for a foreign HDF5 file. ``layout_span`` is the
+    ``(offset, end)`` of the layout text in the file, where the caller gave it.
     """
 
     def __init__(self, file: str, version: int | None, metadata: Mapping[str, Any], *,
                  items: list[Any] | None = None, entries: Iterable[Entry] | None = None,
-                 v2: tuple[list[Any], list[str], list[bytes], int, int] | None = None) -> None:
+                 v2: tuple[list[Any], list[str], list[bytes], int, int] | None = None,
+                 layout_span: tuple[int, int] | None = None) -> None:
         self.file = file
         self.version = version
         self.metadata = metadata
         self.hash_block = checksum.HASH_BLOCK
         self.file_size: int | None = None
+        self.layout_span = layout_span
+        self._disjoint = False  # every entry's stored bytes checked against every other's
         self._lines: list[bytes] | None = None
         self._items: list[Any] | None = None
         self._last = -1    # the entry last parsed on its own (see _read_ahead)
@@ -437,17 +454,119 @@ class Layout:
         return self.select(None)
 
     def select(self, paths: set[str] | None) -> list[Entry]:
-        """The entries at ``paths`` (all when None), in saved order; only those are parsed."""
+        """The entries at ``paths`` (all when None), in saved order; only those are parsed.
+
+        Raises FormatError for a damaged entry, or for two of the selected entries whose
+        stored bytes overlap (:meth:`check_disjoint`): what one load of them allocates is
+        then bounded by the file (uncompressed) or by their declared shapes (compressed)."""
         wanted = range(len(self._parsed)) if paths is None else sorted(self._index[p] for p in paths if p in self._index)
         missing = [i for i in wanted if self._parsed[i] is None]
         if self._lines is not None and len(missing) > 16:  # decoded together (a damaged line on its own, below)
             for i, raw in decode_lines(self._lines, missing):
                 self._parse(i, raw)
-        return [self._parse(i) for i in wanted]
+        out = [self._parse(i) for i in wanted]
+        if not self._disjoint:
+            self._check_disjoint(out, len(out) == len(self._parsed))
+        return out
+
+    def check_disjoint(self, paths: set[str] | None = None) -> None:
+        """Refuse the file when two entries (all when ``paths`` is None, else those at
+        ``paths``) have stored bytes in common: contiguous data, compressed chunks (of two
+        entries or of one), or the layout text (where ``layout_span`` is known). Only a
+        ``same_as`` entry, which has no data of its own, shares its original's bytes. The
+        whole layout is checked once (one pass over the ranges, or a sort of them when they
+        are not stored in saved order): later calls cost nothing. Reads of many entries get
+        this from :meth:`select`; a read of one entry (:meth:`entry`) is bounded by the file
+        on its own, and calls this only where the whole file is to be refused.
+
+        Raises FormatError naming the file and both keys."""
+        self.select(paths)
+
+    def _check_disjoint(self, entries: list[Entry], whole: bool) -> None:
+        # One pass over the stored ranges in saved order: a writer stores them in increasing
+        # offsets, so each starting at or after the previous one's end proves them disjoint.
+        # Any other order is sorted by start and scanned again, which names the two keys.
+        if whole:  # a same_as entry has no data of its own; its original is among the entries
+            extents = [e.extent for e in entries if (type(e) is TensorEntry and e.same_as is None) or type(e) is ArrayEntry]
+        else:
+            extents = [x for _, x in self._owned(entries, False)]
+        last = 0
+        for x in extents:
+            if x is None:
+                continue
+            if type(x) is Contiguous:
+                if x.offset < last:
+                    break
+                last = x.offset + x.nbytes
+            else:
+                for off, size, _ in x.chunks:  # type: ignore[union-attr]
+                    if size:
+                        if off < last:
+                            break
+                        last = off + size
+                else:
+                    continue
+                break
+        else:
+            if self.layout_span is None or last <= self.layout_span[0] or self.layout_span[0] == self.layout_span[1]:
+                if whole:
+                    self._disjoint = True
+                return
+        self._find_overlap(entries, whole)
+
+    def _owned(self, entries: list[Entry], whole: bool) -> Iterator[tuple[Entry, Extent]]:
+        """``(owner, extent)`` of each of ``entries`` with stored bytes; a ``same_as`` entry
+        gives its original's once, where the original is not among ``entries`` itself."""
+        selected = None if whole else {e.path for e in entries}
+        tied: set[str] = set()
+        for e in entries:
+            if type(e) is TensorEntry:
+                x = e.extent
+                if x is None:
+                    continue
+                if e.same_as is not None:
+                    if selected is None or e.same_as in selected or e.same_as in tied:
+                        continue  # the original's bytes, counted once (with the original where it is selected)
+                    tied.add(e.same_as)
+                    yield self._parse(self._index[e.same_as]), x
+                else:
+                    yield e, x
+            elif type(e) is ArrayEntry and e.extent is not None:
+                yield e, e.extent
+
+    def _find_overlap(self, entries: list[Entry], whole: bool) -> None:
+        """Sort every stored range of ``entries`` (and the layout text) by start and raise
+        FormatError naming the first two that overlap; mark the layout checked if none do."""
+        spans: list[tuple[int, int, Any, int]] = []  # (start, end, owner entry (None: the layout), chunk or -1)
+        for owner, x in self._owned(entries, whole):
+            if type(x) is Contiguous:
+                spans.append((x.offset, x.offset + x.nbytes, owner, -1))
+            else:
+                spans.extend((off, off + size, owner, k) for k, (off, size, _) in enumerate(x.chunks) if size)  # type: ignore[union-attr]
+        if self.layout_span is not None and self.layout_span[1] > self.layout_span[0]:
+            spans.append((*self.layout_span, None, -1))
+        spans.sort(key=_START)
+        for a, b in zip(spans, spans[1:]):
+            if b[0] < a[1]:  # sorted by start: disjoint iff each range starts at or after the previous one's end
+                raise FormatError(f"{self.file}: the stored bytes of {_span_name(a)} and {_span_name(b)} overlap; "
+                                  "entries share data only through same_as; refused")
+        if whole:
+            self._disjoint = True
 
     @property
     def leaves(self) -> list[Leaf]:
         return [e for e in self.entries if not isinstance(e, Container)]  # type: ignore[misc]
+
+
+_START = operator.itemgetter(0)
+
+
+def _span_name(span: tuple[int, int, Any, int]) -> str:
+    start, end, owner, k = span
+    where = f"({start}+{end - start})"
+    if owner is None:
+        return f"the layout text {where}"
+    return f"key {owner.path!r} {where}" if k < 0 else f"key {owner.path!r} (stored chunk {k} {where})"
 
 
 READ_AHEAD_MIN, READ_AHEAD_MAX = 16, 1024
@@ -708,8 +827,9 @@ def claims_format(attr_names: Iterable[str]) -> bool:
 # ---------------------------------------------------------------------------- reading (format 2)
 
 
-def parse_layout_v2(text: bytes, file: str, file_size: int) -> Layout:
-    """Parse the format-2 layout text of ``file`` (``file_size`` bytes). Raises FormatError."""
+def parse_layout_v2(text: bytes, file: str, file_size: int, layout_at: int | None = None) -> Layout:
+    """Parse the format-2 layout text of ``file`` (``file_size`` bytes), stored at file offset
+    ``layout_at`` (given, no entry's bytes may overlap it). Raises FormatError."""
     lines = text.split(b"\n")
     try:
         head = json.loads(lines[0])
@@ -729,8 +849,9 @@ def parse_layout_v2(text: bytes, file: str, file_size: int) -> Layout:
         raise FormatError(f"{file}: damaged layout head: {len(lines) - 1} entry lines for "
                           f"{len(paths) if type(paths) is list else '?'} paths and "
                           f"{len(kinds) if type(kinds) is list else '?'} types")
+    span = None if layout_at is None else (layout_at, layout_at + len(text))
     return Layout(file, 2, head["metadata"], v2=(paths, [k if type(k) is str else repr(k) for k in kinds],
-                                                     lines[1:], block, file_size))
+                                                     lines[1:], block, file_size), layout_span=span)
 
 
 _V2_FIELDS = {

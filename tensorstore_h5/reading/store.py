@@ -203,7 +203,7 @@ class Store:
             text = raw.read(header.layout_offset, header.layout_length)
             if checksum.digest(text) != header.layout_hash:
                 raise FormatError(f"{self.path}: damaged layout (checksum mismatch)")
-            return fmt.parse_layout_v2(text, self.path, raw.size), None
+            return fmt.parse_layout_v2(text, self.path, raw.size, header.layout_offset), None
         other = _other_format(head)
         if other:
             what, suffix = other
@@ -309,6 +309,7 @@ class Store:
 
         Raises KeyNotFoundError, IndexError, FormatError as :meth:`TensorHandle.read` does.
         """
+        self._layout.check_disjoint(set(selections))  # one tensor each: together bounded by the file
         parts = []
         for key, index in selections.items():
             entry = self._entry(key)
@@ -365,6 +366,7 @@ class Store:
                    ) -> None:
         """Fill existing targets from their entries, every entry checked first (what ``load_into``
         calls, as on a ``ShardedStore``; see :meth:`Reader.read_into`)."""
+        self._layout.check_disjoint({e.path for e, _ in pairs})
         self._reader.read_into(pairs, progress, verify)
 
     # -- lifetime -----------------------------------------------------------------------

@@ -112,6 +112,11 @@ class Th5Files:
         if store.format_version != 2:
             store.close()
             raise FormatError(f"{where}: not a tensorstore_h5 format-2 file")
+        try:
+            store._layout.check_disjoint()  # pieces of many keys are read from it: no two may share bytes
+        except FormatError:
+            store.close()
+            raise
         return store
 
     def entry(self, piece: Piece, owner: str, kind: type = TensorEntry) -> tuple[Any, Any]:

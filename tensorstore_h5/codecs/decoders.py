@@ -10,20 +10,33 @@ read like an uncompressed one: any byte range, decoding only the chunks it touch
 Hostile chunks: the C decoders trust lengths inside the chunk, so before calling one this
 module checks the framing against the chunk's stored size and its decoded size against the
 chunk's: Bitshuffle's block table is walked and must account for exactly the stored bytes;
-a Blosc2 frame must have the dataset's type size, and a B2ND frame exactly the chunk's shape.
-Every decode must fill exactly the chunk's bytes, or :class:`DecodeError` is raised: no byte
-of output is ever left unwritten.
+a Blosc2 frame must be one contiguous frame of exactly its stored bytes holding one chunk of
+the dataset's type size, whose chunk header (sizes, block size, flags) is checked before it
+is decoded, and a B2ND frame must hold exactly the chunk's shape in blocks that fit it.
+c-blosc2's "uninitialized" special chunks, which decode by leaving the output as it was, are
+refused. Every decode must fill exactly the chunk's bytes, or :class:`DecodeError` is raised:
+no byte of output is ever left unwritten.
+
+Memory: a decode allocates at most twice the chunk's bytes (:data:`B2ND_SCRATCH`), plus the
+codecs' own scratch (a few times a block, blocks being at most a chunk). B2ND chunks are
+decoded here, not by c-blosc2's b2nd code, which decodes into a scratch buffer of the chunk
+padded to whole blocks: up to 2^ndim times the chunk (18x in files hdf5plugin writes for odd
+shapes, more when crafted).
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
+import math
 import os
 import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from ..format import checksum
 from ..format.layout import BITSHUFFLE_ID, BLOSC2_ID, Chunked
@@ -94,13 +107,25 @@ def _declare(name: str, lib: Any) -> None:
     lib.blosc2_schunk_decompress_chunk.restype = ctypes.c_int
     lib.blosc2_schunk_free.argtypes = [vp]
     lib.blosc2_schunk_free.restype = ctypes.c_int
-    lib.b2nd_from_schunk.argtypes = [vp, ctypes.POINTER(vp)]
-    lib.b2nd_from_schunk.restype = ctypes.c_int
-    lib.b2nd_to_cbuffer.argtypes = [vp, vp, i64]
-    lib.b2nd_to_cbuffer.restype = ctypes.c_int
-    lib.b2nd_free.argtypes = [vp]
-    lib.b2nd_free.restype = ctypes.c_int
+    lib.blosc2_schunk_get_lazychunk.argtypes = [vp, i64, ctypes.POINTER(vp), ctypes.POINTER(ctypes.c_bool)]
+    lib.blosc2_schunk_get_lazychunk.restype = ctypes.c_int
+    lib.blosc2_getitem.argtypes = [vp, i32, ctypes.c_int, ctypes.c_int, vp, i32]
+    lib.blosc2_getitem.restype = ctypes.c_int
     lib.blosc2_init()
+
+
+_libc_handle: Any = None
+
+
+def _libc() -> Any:
+    """The C library (``free`` of what c-blosc2 allocated for the caller)."""
+    global _libc_handle
+    if _libc_handle is None:
+        libc = ctypes.CDLL(None)
+        libc.free.argtypes = [ctypes.c_void_p]
+        libc.free.restype = None
+        _libc_handle = libc
+    return _libc_handle
 
 
 # ---------------------------------------------------------------------------- Bitshuffle
@@ -152,6 +177,9 @@ def _bitshuffle(codec: int, elem_size: int) -> Decoder:
 _FRAME_MAGIC = b"b2frame\x00"
 _FRAME_TYPESIZE = 47  # msgpack int32 marker, then the type size (big-endian), in every cframe header
 _FRAME_METALAYERS = 87  # fixarray(3), uint16 index size, map16 of {name: int32 offset of its content}
+_FRAME_MARKERS = ((10, 0xD2), (15, 0xCF), (24, 0xA4), (29, 0xD3), (38, 0xD3), (47, 0xD2), (52, 0xD2), (57, 0xD2))
+"""msgpack markers of the cframe header's fields: header size (int32), frame size (uint64),
+flags (4 bytes), decoded and stored bytes (int64), type size, block size, chunk size (int32)."""
 
 
 def frame_metalayer(frame: bytes, names: tuple[bytes, ...] = (b"b2nd", b"caterva")) -> bytes | None:
@@ -191,21 +219,195 @@ def frame_metalayer(frame: bytes, names: tuple[bytes, ...] = (b"b2nd", b"caterva
     return None
 
 
-def b2nd_shape(meta: bytes) -> tuple[int, ...]:
-    """The array shape in a ``b2nd`` metalayer (msgpack: [version, ndim, shape, chunkshape,
-    blockshape, dtype format, dtype]). Raises DecodeError for anything else."""
+def b2nd_geometry(meta: bytes) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``(shape, chunk shape, block shape)`` of a ``b2nd`` metalayer (msgpack: [version, ndim,
+    shape (int64s), chunk shape (int32s), block shape (int32s), dtype format, dtype]). Raises
+    DecodeError for anything else."""
     try:
-        if meta[0] & 0xF0 != 0x90 or meta[1] > 0x7F or meta[2] > 0x7F or meta[3] != 0x90 + meta[2]:
+        if meta[0] & 0xF0 != 0x90 or meta[0] & 0x0F < 5 or meta[1] > 0x7F or meta[2] > 0x7F or meta[3] != 0x90 + meta[2]:
             raise DecodeError("not a b2nd metalayer")
-        ndim, pos, shape = meta[2], 4, []
-        for _ in range(ndim):
-            if meta[pos] != 0xD3:
-                raise DecodeError("b2nd shape is not int64")
-            shape.append(struct.unpack_from(">q", meta, pos + 1)[0])
-            pos += 9
+        ndim, pos, dims = meta[2], 4, []
+        for i, (marker, code, width) in enumerate(((0xD3, ">q", 9), (0xD2, ">i", 5), (0xD2, ">i", 5))):
+            if i and meta[pos] != 0x90 + ndim:
+                raise DecodeError("b2nd chunk or block shape of another rank")
+            pos += 1 if i else 0
+            part = []
+            for _ in range(ndim):
+                if meta[pos] != marker:
+                    raise DecodeError("b2nd shape of another integer type")
+                part.append(struct.unpack_from(code, meta, pos + 1)[0])
+                pos += width
+            dims.append(tuple(part))
     except (IndexError, struct.error):
         raise DecodeError("truncated b2nd metalayer") from None
-    return tuple(shape)
+    return dims[0], dims[1], dims[2]
+
+
+def b2nd_shape(meta: bytes) -> tuple[int, ...]:
+    """The array shape in a ``b2nd`` metalayer (see :func:`b2nd_geometry`)."""
+    return b2nd_geometry(meta)[0]
+
+
+def frame_header(frame: Any, n: int) -> tuple[int, int]:
+    """``(header bytes, decoded bytes)`` of a Blosc2 frame of exactly ``n`` bytes: contiguous
+    (not sparse), with fixed-size chunks of which it holds one. Raises DecodeError for any
+    other frame, before c-blosc2 reads it."""
+    if n < _FRAME_METALAYERS + 7 or frame[2:10] != _FRAME_MAGIC:
+        raise DecodeError("not a Blosc2 frame")
+    if any(frame[at] != marker for at, marker in _FRAME_MARKERS):
+        raise DecodeError("Blosc2 frame header does not parse")
+    header_len = struct.unpack_from(">i", frame, 11)[0]
+    frame_len, nbytes, cbytes = struct.unpack_from(">Q", frame, 16)[0], *struct.unpack_from(">qxq", frame, 30)
+    chunksize = struct.unpack_from(">i", frame, 58)[0]
+    if frame_len != n:
+        raise DecodeError(f"Blosc2 frame of {frame_len} bytes stored in {n}")
+    if not _FRAME_METALAYERS + 7 <= header_len <= n or not 0 <= cbytes <= n - header_len:
+        raise DecodeError("Blosc2 frame header or data sizes out of range")
+    if frame[25] & 0xC0 or frame[26] != 0:
+        raise DecodeError("Blosc2 frame of variable chunks or blocks, or not contiguous")
+    if nbytes <= 0 or chunksize != nbytes:
+        raise DecodeError(f"Blosc2 frame of {nbytes} bytes in chunks of {chunksize}, not one chunk")
+    return header_len, nbytes
+
+
+_BLOSC2_EXTENDED = 0x05  # both shuffle bits: a Blosc2 (32-byte) chunk header
+_BLOSC2_FLAGS_OK = 0x71  # the dictionary bit and the special values ZERO, NAN, VALUE
+_SPECIAL_UNINIT = 4
+
+
+def check_blosc2_chunk(header: bytes, cbytes: int, nbytes: int, itemsize: int, block_bytes: int | None) -> None:
+    """Check the 32-byte header of the one chunk of a frame (c-blosc2's chunk format) before
+    it is decoded: ``nbytes`` decoded bytes of ``itemsize``-byte items in blocks of
+    ``block_bytes`` (None: any size up to ``nbytes``), ``cbytes`` stored; no variable-length
+    blocks, no flags this reader does not decode, and never a chunk of values that were never
+    written (c-blosc2's UNINIT special chunk, decoded by leaving its output as it was)."""
+    if cbytes < 32 or len(header) < 32:
+        raise DecodeError("Blosc2 chunk shorter than its header")
+    c_nbytes, c_block, c_cbytes = struct.unpack_from("<iii", header, 4)
+    if header[2] & _BLOSC2_EXTENDED != _BLOSC2_EXTENDED or header[3] != itemsize:
+        raise DecodeError(f"Blosc2 chunk of type size {header[3]} (dataset: {itemsize}) or without a Blosc2 header")
+    if c_nbytes != nbytes or c_cbytes != cbytes:
+        raise DecodeError(f"Blosc2 chunk of {c_nbytes} bytes stored in {c_cbytes}, expected {nbytes} in {cbytes}")
+    if not (c_block == block_bytes if block_bytes is not None else 0 < c_block <= nbytes):
+        raise DecodeError(f"Blosc2 chunk of {c_block}-byte blocks")
+    special = (header[31] >> 4) & 0x07
+    if special == _SPECIAL_UNINIT:
+        raise DecodeError("Blosc2 chunk of values that were never written (uninitialized special chunk)")
+    if header[30] & 0x01 or header[31] & ~_BLOSC2_FLAGS_OK & 0xFF or special > _SPECIAL_UNINIT:
+        raise DecodeError(f"Blosc2 chunk with flags {header[30]:#x} {header[31]:#x} this reader does not decode")
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """How a B2ND chunk is stored: ``chunk``-shaped, padded to whole ``block``-shaped blocks
+    along every dimension, the blocks in row-major order of their grid, each row-major."""
+
+    chunk: tuple[int, ...]
+    block: tuple[int, ...]
+    itemsize: int
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        return tuple(-(-c // b) for c, b in zip(self.chunk, self.block))
+
+    @property
+    def block_bytes(self) -> int:
+        return math.prod(self.block) * self.itemsize
+
+    @property
+    def padded_bytes(self) -> int:
+        return math.prod(self.grid) * self.block_bytes
+
+    @property
+    def runs(self) -> bool:
+        """Whether the stored bytes are the chunk's own row-major bytes (blocks that are runs
+        of whole rows, in order)."""
+        inner = [i for i, (b, c) in enumerate(zip(self.block, self.chunk)) if b != 1]
+        return self.padded_bytes == math.prod(self.chunk) * self.itemsize and \
+            all(self.block[i] == self.chunk[i] for i in inner[1:])
+
+
+def b2nd_blocks(meta: bytes, chunk_shape: tuple[int, ...], itemsize: int) -> Blocks:
+    """The block layout of a B2ND frame of exactly one chunk of ``chunk_shape``, checked: the
+    array and its chunk of that shape, blocks of 1 to the chunk's size along each dimension,
+    the padded chunk under 2 GiB (c-blosc2's limit). DecodeError otherwise."""
+    shape, chunk, block = b2nd_geometry(meta)
+    if shape != chunk_shape or chunk != chunk_shape:
+        raise DecodeError(f"B2ND frame of shape {list(shape)} in chunks {list(chunk)}, expected {list(chunk_shape)}")
+    if any(not 1 <= b <= c for b, c in zip(block, chunk)):
+        raise DecodeError(f"B2ND blocks {list(block)} do not fit chunks {list(chunk)}")
+    blocks = Blocks(chunk, block, itemsize)
+    if blocks.padded_bytes >= 2**31:
+        raise DecodeError(f"B2ND blocks {list(block)} pad the chunk to {blocks.padded_bytes} bytes")
+    return blocks
+
+
+def _scatter(run: Any, out: Any, blocks: Blocks, lo: tuple[int, ...], hi: tuple[int, ...]) -> None:
+    """Copy the blocks ``lo <= grid index < hi`` (``run``: a buffer of their bytes as stored)
+    into ``out`` (a buffer of the chunk's row-major bytes), without their padding: one strided
+    copy per choice of whole or edge block along each dimension, each row of a block one
+    element (numpy copies it with ``memcpy``)."""
+    k, isz = len(blocks.chunk), blocks.itemsize
+    box = [h - low for low, h in zip(lo, hi)]
+    out_strides = [math.prod(blocks.chunk[i + 1:]) * isz for i in range(k)]
+    grid_strides = [math.prod(box[i + 1:]) * blocks.block_bytes for i in range(k)]
+    block_strides = [math.prod(blocks.block[i + 1:]) * isz for i in range(k)]
+    parts = []
+    for i, (c, b) in enumerate(zip(blocks.chunk, blocks.block)):
+        whole = c // b  # grid indices below this are whole blocks; the one at it (if any) the edge
+        part = [(lo[i], min(hi[i], whole), b)] if min(hi[i], whole) > lo[i] else []
+        if hi[i] > whole:
+            part.append((whole, hi[i], c - whole * b))
+        parts.append(part)
+    for combo in itertools.product(*parts):
+        row = np.dtype((np.void, combo[-1][2] * isz))  # the valid part of a block's row
+        shape = tuple(x for a, e, r in combo[:-1] for x in (e - a, r)) + (combo[-1][1] - combo[-1][0],)
+        src = np.ndarray(shape, row, run, sum((a - lo[i]) * grid_strides[i] for i, (a, _, _) in enumerate(combo)),
+                         tuple(x for i in range(k - 1) for x in (grid_strides[i], block_strides[i])) + (grid_strides[-1],))
+        dst = np.ndarray(shape, row, out, sum(a * blocks.block[i] * out_strides[i] for i, (a, _, _) in enumerate(combo)),
+                         tuple(x for i in range(k - 1) for x in (blocks.block[i] * out_strides[i], out_strides[i]))
+                         + (blocks.block[-1] * out_strides[-1],))
+        np.copyto(dst, src)
+
+
+B2ND_SCRATCH = 2
+"""A B2ND chunk whose blocks are not runs of its rows is decoded through at most this many
+times its bytes of scratch, however far its blocks pad it. hdf5plugin pads chunks of odd
+shapes by up to ~1.6x (18x for some 5-7 dimensional ones): within this bound the padded chunk
+is decoded at once (as fast as c-blosc2's b2nd code; decoding it a run of blocks at a time
+costs ~10-25% more per chunk, measured on the 2-core VM)."""
+
+
+def _unblock(lib: Any, schunk: int, chunk: int, cbytes: int, blocks: Blocks, dst: int, dst_n: int) -> None:
+    """Decode a B2ND chunk whose blocks are not runs of its rows into ``dst`` (``dst_n``
+    bytes), through at most :data:`B2ND_SCRATCH` times ``dst_n`` bytes of scratch however
+    far the blocks pad the chunk: the whole padded chunk when it fits, else runs of
+    consecutive blocks (a block, or rows of the block grid) taken with ``blosc2_getitem``."""
+    out = (ctypes.c_uint8 * dst_n).from_address(dst)
+    grid, k, padded, budget = blocks.grid, len(blocks.chunk), blocks.padded_bytes, B2ND_SCRATCH * dst_n
+    per = [blocks.block_bytes * math.prod(grid[m:]) for m in range(k + 1)]  # bytes of one index of dimension m - 1
+    m = next(m for m in range(k + 1) if per[m] <= budget)  # per[k] (a block) always fits
+    if m == 0:
+        scratch = _buffer("blocks", padded)
+        if lib.blosc2_schunk_decompress_chunk(schunk, 0, ctypes.addressof(scratch), padded) != padded:
+            raise DecodeError("B2ND chunk does not decode to its padded bytes")
+        _scatter(scratch, out, blocks, (0,) * k, grid)
+        return
+    d, step, block_items = m - 1, budget // per[m], math.prod(blocks.block)
+    scratch = _buffer("blocks", min(step, grid[d]) * per[m])
+    for outer in itertools.product(*(range(g) for g in grid[:d])):
+        first_row = 0
+        for i, o in enumerate(outer):
+            first_row = first_row * grid[i] + o
+        for s in range(0, grid[d], step):
+            e = min(grid[d], s + step)
+            nitems = (e - s) * math.prod(grid[m:]) * block_items
+            start = (first_row * grid[d] + s) * math.prod(grid[m:]) * block_items
+            nb = nitems * blocks.itemsize
+            if lib.blosc2_getitem(chunk, cbytes, start, nitems, ctypes.addressof(scratch), nb) != nb:
+                raise DecodeError("B2ND blocks do not decode")
+            _scatter(scratch, out, blocks, tuple(outer) + (s,) + (0,) * (k - m),
+                     tuple(o + 1 for o in outer) + (e,) + grid[m:])
 
 
 def _blosc2(itemsize: int, chunk_shape: tuple[int, ...]) -> Decoder:
@@ -213,43 +415,65 @@ def _blosc2(itemsize: int, chunk_shape: tuple[int, ...]) -> Decoder:
 
     def decode(src: Any, n: int, dst: int, dst_n: int) -> None:
         frame = memoryview(src).cast("B")[:n]
-        if n < 52 or frame[2:10] != _FRAME_MAGIC or frame[_FRAME_TYPESIZE] != 0xD2:
-            raise DecodeError("not a Blosc2 frame")
+        header_len, nbytes = frame_header(frame, n)
         if struct.unpack_from(">i", frame, _FRAME_TYPESIZE + 1)[0] != itemsize:
             raise DecodeError(f"Blosc2 frame of another type size than the dataset's {itemsize}")
         meta = frame_metalayer(frame)
-        if meta is not None and b2nd_shape(meta) != chunk_shape:
-            raise DecodeError(f"B2ND frame of shape {list(b2nd_shape(meta))}, expected {list(chunk_shape)}")
-        schunk = lib.blosc2_schunk_from_buffer(ctypes.addressof(src), n, False)
+        blocks = None if meta is None else b2nd_blocks(meta, chunk_shape, itemsize)
+        expected = dst_n if blocks is None else blocks.padded_bytes  # a plain frame: exactly the chunk's bytes
+        if nbytes != expected:
+            raise DecodeError(f"Blosc2 frame of {nbytes} bytes, expected {expected}")
+        base = ctypes.addressof(src)
+        schunk = lib.blosc2_schunk_from_buffer(base, n, False)
         if not schunk:
             raise DecodeError("Blosc2 frame could not be parsed")
-        if meta is None:  # a plain frame: its first chunk must be exactly the chunk's bytes
+        try:
+            chunk, made = ctypes.c_void_p(), ctypes.c_bool(False)
+            cbytes = lib.blosc2_schunk_get_lazychunk(schunk, 0, ctypes.byref(chunk), ctypes.byref(made))
             try:
-                if lib.blosc2_schunk_decompress_chunk(schunk, 0, dst, dst_n) != dst_n:
-                    raise DecodeError("Blosc2 frame does not decode to the chunk's bytes")
+                if cbytes < 32 or not chunk.value:
+                    raise DecodeError("Blosc2 frame without its chunk")
+                if not made.value and not base + header_len <= chunk.value <= base + n - cbytes:
+                    raise DecodeError("Blosc2 chunk outside its frame")
+                check_blosc2_chunk(ctypes.string_at(chunk.value, 32), cbytes, nbytes, itemsize,
+                                   None if blocks is None else blocks.block_bytes)
+                if blocks is None or blocks.runs:
+                    if lib.blosc2_schunk_decompress_chunk(schunk, 0, dst, dst_n) != dst_n:
+                        raise DecodeError("Blosc2 frame does not decode to the chunk's bytes")
+                else:
+                    _unblock(lib, schunk, chunk.value, cbytes, blocks, dst, dst_n)
             finally:
-                lib.blosc2_schunk_free(schunk)
-            return
-        array = ctypes.c_void_p()  # B2ND: an array of exactly the chunk's shape and type size
-        if lib.b2nd_from_schunk(schunk, ctypes.byref(array)) < 0 or not array.value:
-            lib.blosc2_schunk_free(schunk)
-            raise DecodeError("B2ND frame could not be parsed")
-        try:  # the array owns the super-chunk now
-            if lib.b2nd_to_cbuffer(array, dst, dst_n) < 0:
-                raise DecodeError("B2ND frame could not be decoded")
+                if made.value and chunk.value:  # a chunk c-blosc2 made (a special offset): its malloc
+                    _libc().free(chunk.value)
         finally:
-            lib.b2nd_free(array)
+            lib.blosc2_schunk_free(schunk)
 
     return decode
 
 
+def _refused(reason: str) -> Decoder:
+    """A decoder that refuses every chunk (filter values no decoder accepts): raised when a
+    chunk is read, where the reader names the file and the key."""
+    def decode(src: Any, n: int, dst: int, dst_n: int) -> None:
+        raise DecodeError(reason)
+    return decode
+
+
 def decoder_for(extent: Chunked) -> Decoder:
-    """The decoder of an extent's filter (checked by ``format.check_chunked``)."""
+    """The decoder of an extent's filter (checked by ``format.check_chunked``; checked again
+    here, so that no filter value reaches a C decoder unchecked)."""
+    values, itemsize = extent.filter_values, extent.itemsize
+    if not all(type(v) is int and 0 <= v < 2**32 for v in values) or not 0 < itemsize <= 16:
+        return _refused(f"invalid filter values {list(values)} or item size {itemsize}")
     if extent.filter_id == BITSHUFFLE_ID:
-        return _bitshuffle(extent.filter_values[4], extent.itemsize)
+        if len(values) < 5 or values[4] not in (_BSHUF_LZ4, _BSHUF_ZSTD) or values[2] != itemsize or values[3] % 8:
+            return _refused(f"bitshuffle values {list(values)}: not LZ4/Zstd blocks of 8 elements of {itemsize} bytes")
+        return _bitshuffle(values[4], itemsize)
     if extent.filter_id == BLOSC2_ID:
-        return _blosc2(extent.itemsize, extent.chunk_shape)
-    raise DecodeError(f"no decoder for filter {extent.filter_id}")
+        if len(values) < 4 or values[2] != itemsize or values[3] != extent.chunk_bytes:
+            return _refused(f"blosc2 values {list(values)} do not match the dataset")
+        return _blosc2(itemsize, extent.chunk_shape)
+    return _refused(f"no decoder for filter {extent.filter_id}")
 
 
 # ---------------------------------------------------------------------------- reading chunks

@@ -30,7 +30,7 @@ import torch
 
 from ..codecs.presets import Compression, resolve_compression
 from ..display import Progress
-from ..errors import UnsupportedTypeError, WriteError
+from ..errors import TensorStoreError, UnsupportedTypeError, WriteError
 from ..format import checksum, hdf5meta, tree
 from ..format import layout as fmt
 from ..format.dtypes import bits_view, spec_for_torch
@@ -155,13 +155,18 @@ def sweep_partials(path: PathLike) -> list[str]:
 
     A save holds an exclusive ``flock`` on its temporary from creation to rename, and the
     kernel releases it when the process dies, so a temporary whose lock can be taken is stale.
+    Only regular files are looked at: a FIFO, device, socket, directory or symlink named like
+    a temporary is never opened (``lstat``, then :func:`storage.files.open_regular`, whose
+    open cannot block), so none of them can hold up a save.
     """
     head, name = os.path.split(os.path.abspath(os.fspath(path)))
     removed = []
     for stale in glob.glob(os.path.join(glob.escape(head), f".{glob.escape(name)}.*.partial")):
         try:
-            fd = os.open(stale, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
-        except OSError:
+            if not stat.S_ISREG(os.lstat(stale).st_mode):
+                continue  # not a temporary of ours
+            fd = files.open_regular(stale, "temporary file")
+        except (OSError, TensorStoreError):  # gone meanwhile, not permitted, or swapped for something else
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -809,13 +814,10 @@ class _Replaced:
     def __init__(self, path: str) -> None:
         self.released = 0  # bytes of the old file dropped from the cache (a multiple of RELEASE_ALIGN)
         self.wanted = 0    # bytes of the new file written so far
-        try:
-            self.fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
+        try:  # a regular file only: opening a FIFO in its place would block the save
+            self.fd: int | None = files.open_regular(path, "file to replace")
+        except (OSError, TensorStoreError):
             self.fd = None
-            return
-        if not stat.S_ISREG(os.fstat(self.fd).st_mode):
-            self.close()
 
     def release(self, nbytes: int) -> None:
         """Drop as much of the old file from the page cache as the new one is about to take:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any, NamedTuple, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, Union
 
 import torch
 
@@ -14,7 +14,9 @@ from .format import tree
 from .format.layout import Container, TensorEntry
 from .reading.select import Selector
 from .reading.store import Device, Store
-from .sharded import ShardedStore, ShardedTensorEntry
+
+if TYPE_CHECKING:
+    from .sharded import ShardedStore
 from .storage import memory
 
 __all__ = ["load", "load_into", "LoadResult"]
@@ -38,6 +40,8 @@ def open(path: Any, *, storage_options: dict[str, Any] | None = None) -> Store |
         RemoteError: a URL that cannot be read.
     """
     if _is_directory(path):
+        from .sharded import ShardedStore  # (imported for directories only: a file's first open is quicker)
+
         return ShardedStore(path)
     return Store(path, storage_options=storage_options)
 
@@ -75,17 +79,39 @@ def load(path: Any, *, select: Selector = None, device: Device = None, progress:
     if _is_directory(path):  # a checkpoint directory (docs/DISTRIBUTED.md)
         if mmap:
             raise ValueError(f"{os.fspath(path)}: mmap=True maps one file; a checkpoint directory is read into memory")
+        from .sharded import ShardedStore
+
         with ShardedStore(path) as sharded, memory.gc_paused():
             return sharded.load(select=select, device=device, progress=progress, verify=verify)
     with Store(path, storage_options=storage_options) as store:
         return store.load(select=select, device=device, progress=progress, mmap=mmap, verify=verify)
 
 
-class LoadResult(NamedTuple):
-    """Keys that :func:`load_into` could not match, like ``Module.load_state_dict``'s result."""
-
+class _Keys(NamedTuple):
     missing_keys: list[str]
     unexpected_keys: list[str]
+
+
+class LoadResult(_Keys):
+    """Keys that :func:`load_into` could not match, like ``Module.load_state_dict``'s result:
+    the pair ``(missing_keys, unexpected_keys)`` (it unpacks and compares as that pair), and
+    ``meta_keys``, the targets left on the meta device (with no data) after the load."""
+
+    def __new__(cls, missing_keys: list[str], unexpected_keys: list[str], meta_keys: list[str] | None = None
+                ) -> LoadResult:
+        self = super().__new__(cls, missing_keys, unexpected_keys)
+        self.__dict__["meta_keys"] = list(meta_keys or [])
+        return self
+
+    @property
+    def meta_keys(self) -> list[str]:
+        """Key paths (target side, as ``missing_keys``) of the parameters and buffers, persistent
+        or not, still on the meta device after the load: the file had nothing for them."""
+        return self.__dict__.setdefault("meta_keys", [])
+
+    def __repr__(self) -> str:
+        extra = f", meta_keys={self.meta_keys!r}" if self.meta_keys else ""
+        return f"LoadResult(missing_keys={self.missing_keys!r}, unexpected_keys={self.unexpected_keys!r}{extra})"
 
 
 def _slots(target: Any, path: str = "") -> dict[str, tuple[Any, Any]]:
@@ -147,6 +173,57 @@ def _problem(what: str, keys: list[str]) -> list[str]:
     return [f"{what}: {few(keys)}"] if keys else []
 
 
+def _prefix_hint(file_keys: list[str], targets: Mapping[str, Any], prefix: str, matched: int) -> str:
+    """When another ``prefix`` would match more than half of the target's keys, and more than
+    ``prefix`` does (``matched``), the sentence that suggests it: every file key cut after each
+    ``/`` and ``.`` (``model/``, ``model.``) is looked up among the targets. Empty otherwise."""
+    counts: dict[str, int] = {}
+    for k in file_keys:
+        for i, c in enumerate(k):
+            if (c == "/" or c == ".") and k[i + 1:] in targets:
+                counts[k[:i + 1]] = counts.get(k[:i + 1], 0) + 1
+        if k in targets:
+            counts[""] = counts.get("", 0) + 1
+    best = max(counts.values(), default=0)
+    if best <= matched or 2 * best <= len(targets):  # a prefix that fits most of the target, better than the one given
+        return ""
+    which = [p for p, n in counts.items() if n == best and p != prefix]
+    if not which:
+        return ""
+    spelled = " or ".join(f"prefix={p!r}" for p in which[:3]) + (" or ..." if len(which) > 3 else "")
+    return (f"; did you mean {spelled}? (the file's keys match {best} of the target's {len(targets)} keys with it, "
+            f"{matched} with prefix={prefix!r})")
+
+
+def _still_on_meta(target: Any) -> list[str]:
+    """Key paths (as ``missing_keys`` names them) of the target's tensors on the meta device:
+    every parameter and buffer of a module, persistent or not, or every tensor of a nested dict."""
+    if isinstance(target, torch.nn.Module):
+        named = [*target.named_parameters(remove_duplicate=False), *target.named_buffers(remove_duplicate=False)]
+        return list(dict.fromkeys(tree.escape(k) for k, t in named if t is not None and t.is_meta))
+    if isinstance(target, Mapping):
+        return [p for p, (c, k) in _slots(target).items() if c[k].is_meta]
+    return []
+
+
+def _warn_on_meta(target: Any, path: Any, result: LoadResult) -> LoadResult:
+    """``result`` with ``meta_keys``; a TensorStoreWarning naming them when there are any."""
+    meta = _still_on_meta(target)
+    if meta:
+        import warnings
+
+        from .errors import TensorStoreWarning
+
+        name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else getattr(path, "name", type(path).__name__)
+        warnings.warn(f"{name}: {len(meta)} target tensor(s) are still on the meta device after load_into, without "
+                      f"data (nothing in the file, as selected, was loaded into them; a model would compute garbage or fail): "
+                      f"{few([repr(k) for k in meta])}. Fill them before use (LoadResult.meta_keys lists them): a "
+                      "non-persistent buffer (such as position_ids) is made by its module's __init__, so build the "
+                      "model on a real device, or set the buffer yourself",
+                      TensorStoreWarning, stacklevel=3)
+    return LoadResult(result.missing_keys, result.unexpected_keys, meta)
+
+
 def load_into(
     target: Any,
     path: PathLike,
@@ -200,7 +277,11 @@ def load_into(
         storage_options: for a URL ``path``, passed to fsspec.
 
     Returns:
-        LoadResult(missing_keys, unexpected_keys), target-side and file-side key paths.
+        LoadResult(missing_keys, unexpected_keys), target-side and file-side key paths, and
+        its ``meta_keys``: the target's parameters and buffers (persistent or not) still on the
+        meta device afterwards, which the file had nothing for (with ``strict=False``, or
+        non-persistent buffers such as ``position_ids``); a :class:`TensorStoreWarning`
+        names them. A strict mismatch that another ``prefix`` would resolve says which.
 
     Raises:
         MismatchError: strict and some keys are missing or unexpected; a shape (or, with
@@ -217,8 +298,9 @@ def load_into(
     if device is not None and not assign:
         raise ValueError("device= says where assign=True puts new tensors; without assign, targets keep their memory")
     with memory.gc_paused():  # many new objects, none in a cycle
-        return _load_into(target, path, select, prefix, strict, assign, device, strict_dtype, progress, verify,
-                          storage_options)
+        result = _load_into(target, path, select, prefix, strict, assign, device, strict_dtype, progress, verify,
+                            storage_options)
+    return _warn_on_meta(target, path, result)
 
 
 def _load_into(target: Any, path: PathLike, select: Selector, prefix: str, strict: bool, assign: bool, device: Any,
@@ -234,7 +316,13 @@ def _load_into(target: Any, path: PathLike, select: Selector, prefix: str, stric
     else:
         raise TypeError(f"load_into needs an nn.Module or a nested dict of tensors, got {type(target).__name__}")
     with open(path, storage_options=storage_options) as store:
-        file_keys = [k for k in store.selected_keys(select) if k.startswith(prefix)]
+        tensor_kinds: tuple[type, ...] = (TensorEntry,)
+        if not isinstance(store, Store):  # a directory: sharded is imported already
+            from .sharded import ShardedTensorEntry
+
+            tensor_kinds = (TensorEntry, ShardedTensorEntry)
+        all_keys = store.selected_keys(select)
+        file_keys = [k for k in all_keys if k.startswith(prefix)]
         stored = {k[len(prefix):]: k for k in file_keys}
         missing = [k for k in targets if k not in stored]
         unexpected = [stored[k] for k in stored if k not in targets]
@@ -245,7 +333,7 @@ def _load_into(target: Any, path: PathLike, select: Selector, prefix: str, stric
         not_tensor, shapes, dtypes, meta = [], [], [], []
         for k in order:
             entry, t = store._entry(stored[k]), targets[k]
-            if not isinstance(entry, (TensorEntry, ShardedTensorEntry)):
+            if not isinstance(entry, tensor_kinds):
                 not_tensor.append(repr(stored[k]))
             elif tuple(entry.shape) != tuple(t.shape):
                 shapes.append(f"{stored[k]!r} (stored {list(entry.shape)}, target {list(t.shape)})")
@@ -254,9 +342,11 @@ def _load_into(target: Any, path: PathLike, select: Selector, prefix: str, stric
             elif t.is_meta and not assign:
                 meta.append(repr(k))
         problems = []
+        hint = _prefix_hint(all_keys, targets, prefix, len(order)) if strict and (missing or unexpected) else ""
         if strict and (missing or unexpected) and not through_module:
             problems += _problem("missing keys", [repr(k) for k in missing])
             problems += _problem("unexpected keys", [repr(k) for k in unexpected])
+            problems[-1] += hint
         problems += _problem("shapes differ", shapes) + _problem("not tensors in the file", not_tensor)
         problems += _problem("dtypes differ (strict_dtype)", dtypes)
         if meta:
@@ -282,7 +372,7 @@ def _load_into(target: Any, path: PathLike, select: Selector, prefix: str, stric
             try:
                 result = module.load_state_dict(sd, strict=strict, assign=assign)
             except RuntimeError as e:
-                raise MismatchError(f"{store.path}: load_state_dict refused the checkpoint: {e}") from e
+                raise MismatchError(f"{store.path}: load_state_dict refused the checkpoint: {str(e).rstrip()}{hint}") from e
             return LoadResult([tree.escape(k) for k in result.missing_keys],
                               [prefix + tree.escape(k) for k in result.unexpected_keys])
         if assign:  # every new tensor read (and checked) before any slot changes

@@ -41,6 +41,14 @@ _SAFETENSORS_DTYPES = {
 }
 """torch dtype name -> safetensors dtype code: the dtypes ``safetensors.torch`` reads."""
 
+KEYS_MARKER = "tensorstore_h5.keys"
+"""The ``__metadata__`` entry of a safetensors file written by :func:`convert` whose tensor names
+are tensorstore_h5 key paths (escaped names joined by ``/``, docs/FORMAT.md "Keys"); its value
+is :data:`KEY_PATHS`. Written only when some name differs from the escaped form of itself (it
+holds a ``/`` of nesting or a ``%`` escape): a plain name means the same either way."""
+
+KEY_PATHS = "paths"
+
 
 def format_of(path: PathLike) -> str:
     """``"h5"``, ``"safetensors"`` or ``"torch"`` from the file name's suffix (ValueError otherwise)."""
@@ -59,7 +67,12 @@ def convert(src: PathLike, dst: PathLike, *, select: Any = None, progress: bool 
     ``.pt``/``.pth``/``.bin``/``.ckpt``).
 
     - safetensors -> h5: key by key through ``safe_open`` (one tensor in memory at a time);
-      its metadata becomes ``Store.metadata``; shared storage is not visible there.
+      its metadata becomes ``Store.metadata``; shared storage is not visible there. Each
+      tensor name is one top-level key (``model.layers.0.weight`` stays one flat key), except
+      in a file that h5 -> safetensors wrote with the :data:`KEYS_MARKER` entry in its
+      metadata: there the names are key paths again, so the round trip gives back the same
+      keys, in the same order, and the same nesting of dicts (the marker itself is left out
+      of ``Store.metadata``).
     - torch.save -> h5: ``torch.load(weights_only=True, mmap=True)``, so no code runs and
       tensors stay file-backed until written (legacy, non-zip files cannot be mapped and are
       loaded whole, still with ``weights_only``); nesting and plain values are kept.
@@ -67,6 +80,11 @@ def convert(src: PathLike, dst: PathLike, *, select: Any = None, progress: bool 
       streamed key by key (one tensor in memory at a time), each written contiguous; tensors
       that share storage are written once per key (safetensors has no aliases). The file is
       written beside ``dst`` and renamed over it at the end: a failure leaves no partial file.
+      Tensor names are the key paths (``model/layers.0.weight``); when one of them holds a
+      ``/`` (nesting) or a ``%`` escape, the metadata gets ``{KEYS_MARKER: KEY_PATHS}``
+      (``"tensorstore_h5.keys": "paths"``), from which safetensors -> h5 restores the nesting.
+      Lists, tuples, non-``str`` dict keys and a state dict's ``_metadata`` are not kept:
+      they come back as dicts of ``str`` keys.
     - h5 -> h5: loaded whole (nesting, aliases and values kept), then written.
 
     ``save_options`` (``compression=``, ``chunk_bytes=``, ``metadata=``, ``sync=``) go to the
@@ -140,7 +158,8 @@ def _h5_to_h5(src: str, dst: str, select: Any, progress: bool | None, options: d
 
 
 def _safetensors_sizes(path: str) -> dict[str, int]:
-    """Bytes of each tensor of a safetensors file, from its header (which ``safe_open`` checked)."""
+    """Bytes of each tensor of a safetensors file, in the order of its header (which
+    ``safe_open`` checked; :func:`convert` writes it in the saved order of the keys)."""
     try:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
@@ -148,6 +167,30 @@ def _safetensors_sizes(path: str) -> dict[str, int]:
         return {k: int(v["data_offsets"][1]) - int(v["data_offsets"][0]) for k, v in header.items() if k != "__metadata__"}
     except (OSError, ValueError, TypeError, KeyError, IndexError) as e:
         raise FormatError(f"{path}: not a readable safetensors file (header: {e})") from e
+
+
+def _key_paths(src: str, keys: list[str]) -> tuple[dict[str, str], list[str]]:
+    """The names of a safetensors file marked with :data:`KEYS_MARKER` as key paths:
+    ``({path: name}, container paths)``, nesting restored. Raises FormatError naming the file
+    and the key for a name that is not a key path, or a key path that is also a container."""
+    from .format.tree import split, unescape
+
+    containers: dict[str, None] = {}
+    for key in keys:
+        try:
+            names = split(key)
+            for name in names or [""]:
+                unescape(name)
+        except ValueError as e:
+            raise FormatError(f"{src}: key {key!r} is not a tensorstore_h5 key path, as the file's __metadata__ "
+                              f"({KEYS_MARKER!r}) says it is ({e}); nothing was written") from None
+        for i in range(1, len(names)):
+            containers["/".join(names[:i])] = None
+    clash = [k for k in keys if k in containers]
+    if clash:
+        raise FormatError(f"{src}: key {clash[0]!r} is a tensor and also holds other keys ({clash[0] + '/'!r}...); "
+                          "the file's key paths make no tree; nothing was written")
+    return {key: key for key in keys}, list(containers)
 
 
 def _from_safetensors(src: str, dst: str, select: Any, progress: bool | None, options: dict[str, Any]) -> None:
@@ -162,17 +205,24 @@ def _from_safetensors(src: str, dst: str, select: Any, progress: bool | None, op
     except Exception as e:  # safetensors raises its own error types
         raise FormatError(f"{src}: not a readable safetensors file ({e})") from e
     with f:
-        names = {escape(key): key for key in f.keys()}
+        sizes = _safetensors_sizes(src)
+        stored_meta = dict(f.metadata() or {})
+        if stored_meta.get(KEYS_MARKER) == KEY_PATHS:  # written by convert: the names are key paths, nesting kept
+            del stored_meta[KEYS_MARKER]
+            listed = set(f.keys())
+            names, containers = _key_paths(src, [k for k in sizes if k in listed])
+        else:  # any other file: each name is one key at the top level (dots and slashes kept)
+            names, containers = {escape(key): key for key in f.keys()}, []
         if select is not None:
-            included = resolve(select, list(names), [], src)
+            included = resolve(select, list(names), containers, src)
             names = {path: key for path, key in names.items() if path in included}
             if not names:
                 raise _nothing_selected(src, select)
-        sizes = _safetensors_sizes(src)
         meta = options.pop("metadata", None)
         if meta is None:
-            meta = dict(f.metadata() or {})
-        with Writer(dst, metadata=meta, progress=progress, **options, _encode=few_links(list(names))) as w:
+            meta = stored_meta
+        with Writer(dst, metadata=meta, progress=progress, **options,
+                    _encode=few_links(list(names) + containers)) as w:
             # Key by key, so the writer learns the total from here (write_root announces its own).
             w.expect_bytes(sum(sizes.get(key, 0) for key in names.values()))
             for path, key in names.items():
@@ -217,12 +267,17 @@ def _safetensors_header(store: Store, keys: list[str], metadata: Any) -> tuple[b
     """The header of the safetensors file holding ``keys`` (checked: tensors of dtypes that
     safetensors holds) and ``[(key, nbytes)]`` in the order of the data."""
     from .format.layout import TensorEntry
+    from .format.tree import escape
 
     header: dict[str, Any] = {}
-    if metadata:
-        if not isinstance(metadata, dict):
-            raise TypeError(f"metadata must be a dict of str -> str, got {type(metadata).__name__}")
-        header["__metadata__"] = {str(k): v if isinstance(v, str) else repr(v) for k, v in metadata.items()}
+    if metadata and not isinstance(metadata, dict):
+        raise TypeError(f"metadata must be a dict of str -> str, got {type(metadata).__name__}")
+    meta = {str(k): v if isinstance(v, str) else repr(v) for k, v in (metadata or {}).items()}
+    meta.pop(KEYS_MARKER, None)  # says how this file's names read, not the source's
+    if any(escape(key) != key for key in keys):  # nesting or escapes: only the marker brings them back
+        meta[KEYS_MARKER] = KEY_PATHS
+    if meta:
+        header["__metadata__"] = meta
     order: list[tuple[str, int]] = []
     offset = 0
     for key in keys:

@@ -182,7 +182,7 @@ def test_h5_to_safetensors_streams_every_dtype_safetensors_holds(tmp_path) -> No
     th5.convert(tmp_path / "all.h5", tmp_path / "all.safetensors")
     _bits_equal(load_file(tmp_path / "all.safetensors"), {k.replace("/", "%2F"): v for k, v in sd.items()})
     with safe_open(tmp_path / "all.safetensors", "pt") as f:
-        assert f.metadata() == {"run": "x", "n": "3"}
+        assert f.metadata() == {"run": "x", "n": "3", "tensorstore_h5.keys": "paths"}  # "ü/key" nests
     th5.convert(tmp_path / "all.h5", tmp_path / "m.safetensors", select="t*", metadata={"only": "this"})
     with safe_open(tmp_path / "m.safetensors", "pt") as f:
         assert f.metadata() == {"only": "this"} and sorted(f.keys()) == ["t", "t_again"]

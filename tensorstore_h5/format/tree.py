@@ -118,9 +118,13 @@ def encode_value(value: Any, path: str) -> Any:
     if isinstance(value, np.generic) and t is type(value) and value.dtype.kind in _NP_KINDS and value.dtype.itemsize <= 16 \
             and value.dtype != np.longdouble and value.dtype != np.clongdouble:
         return {"numpy": value.dtype.str, "value": encode_value(value.item(), path)}
+    hint = ""
+    if callable(getattr(value, "state_dict", None)):
+        hint = ("; it is an object with a state_dict() (a model, optimizer, scheduler): did you mean "
+                "th5.save(model.state_dict(), path) (or {'model': model.state_dict(), 'optim': opt.state_dict()})?")
     raise UnsupportedTypeError(
         f"value of type {t.__module__}.{t.__qualname__} at key path {path!r} cannot be stored without pickle; "
-        "store tensors, numpy arrays, dict/list/tuple containers, or None/bool/int/float/complex/str/bytes"
+        "store tensors, numpy arrays, dict/list/tuple containers, or None/bool/int/float/complex/str/bytes" + hint
     )
 
 

@@ -74,6 +74,48 @@ class EntryView:
             raise TypeError("len() of a 0-d tensor")
         return self._entry.shape[0]
 
+    # -- conversions: one read of the whole tensor (never row by row through __getitem__) ----
+
+    def _whole(self) -> torch.Tensor:
+        return self.read().detach()  # type: ignore[attr-defined]  # the subclasses' read
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> Any:
+        """``np.asarray(h)``, ``np.array(h)``: the whole tensor, read once (``h.read().numpy()``).
+
+        Every call reads the file into new memory, which the array owns, so ``copy`` changes
+        nothing. A dtype numpy has none for (bfloat16, float8, complex32, sub-byte types) is a
+        TypeError naming the key, as ``Tensor.numpy()`` refuses it, unless ``dtype`` asks
+        for one: ``np.asarray(h, dtype=np.float32)`` converts as ``h[:].float().numpy()``."""
+        import numpy as np
+
+        t = self._whole()
+        try:
+            a = t.numpy()
+        except TypeError:
+            name = str(t.dtype).removeprefix("torch.")
+            if dtype is None:
+                raise TypeError(f"{self._store.path}: key {self.key!r} has dtype {name}, which numpy has no dtype for; "
+                                "read it as a tensor and convert it: h[:].float().numpy(), or np.asarray(h, "
+                                "dtype=np.float32)") from None
+            try:
+                a = t.to(torch.from_numpy(np.empty(0, dtype=dtype)).dtype).numpy()
+            except (TypeError, RuntimeError) as e:
+                raise TypeError(f"{self._store.path}: key {self.key!r} of dtype {name} cannot be converted to numpy "
+                                f"{np.dtype(dtype)} ({e})") from None
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
+                   copy: bool | None = None) -> Any:
+        """The DLPack capsule of the whole tensor, read once onto the CPU: what
+        ``torch.as_tensor(h)``, ``torch.tensor(h)``, ``torch.asarray(h)`` and
+        ``torch.from_dlpack(h)`` (and ``np.from_dlpack(h)``) use."""
+        given = {"stream": stream, "max_version": max_version, "dl_device": dl_device, "copy": copy}
+        return self._whole().__dlpack__(**{k: v for k, v in given.items() if v is not None})
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(kDLCPU, 0)``: handles read into CPU memory."""
+        return (1, 0)
+
 
 class TensorHandle(EntryView):
     """A lazy view of one stored tensor: metadata now, bytes when indexed or read.
@@ -182,7 +224,8 @@ class Store:
         for _ in range(3 if local is not None else 1):  # a save may rename a new file over the path while we open it
             raw = remote.open_source(path, storage_options)  # files.RawFile, remote.RemoteSource or FileObjSource
             try:
-                self._layout, file = self._open(raw)  # file: the h5py.File of a format-1 or foreign file
+                with memory.gc_paused():  # a layout of many keys is many new objects, none in a cycle
+                    self._layout, file = self._open(raw)  # file: the h5py.File of a format-1 or foreign file
                 break
             except FileExistsError:
                 raw.close()

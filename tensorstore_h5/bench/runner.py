@@ -37,6 +37,7 @@ import torch
 
 from . import measure
 from .contenders import CONTENDERS, Ctx, READS, prepare_keys_files
+from .firstcall import FIRST_CALL_ORDER, Measured
 from .measure import Skip, reset_peak, settle_seconds, status, warm
 
 __all__ = ["ORDER", "GPU_ORDER", "COLD_ORDER", "worker", "run", "main", "run_args"]
@@ -98,6 +99,8 @@ def worker(name: str, ctx: Ctx, not_before: float = 0.0, settle: float = 0.0, pr
     t0 = time.perf_counter()
     result = op()
     seconds = time.perf_counter() - t0
+    if isinstance(result, Measured):  # the child process timed itself (F.: its start is not the operation)
+        seconds = float(result)
     peak = status("VmHWM") - rss0
     del result
     out = {"name": name, "seconds": seconds, "bytes": nbytes, "peak_bytes": max(0, peak)}
@@ -179,29 +182,32 @@ def _run_worker(name: str, ctx: Ctx, not_before: float = 0.0, settle: float = 0.
 
 def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None = None,
         workdir: str | None = None, out: str | None = None, echo: Callable[[str], None] = print,
-        gpu: bool = False, settle: float | None = None, profile: int = 0, cold: bool = False) -> list[dict[str, Any]]:
+        gpu: bool = False, settle: float | None = None, profile: int = 0, cold: bool = False,
+        first_call: bool = False) -> list[dict[str, Any]]:
     """Run the contenders (``only``: a substring filter; ``gpu``: add the CUDA ones) and print
     the table; returns the rows. ``settle``: seconds between a worker's exit (or its set-up's
     removing a file) and the timed operation of a contender in :data:`SETTLED_GROUPS` (None:
     :func:`settle_seconds`). ``profile``: run every operation under cProfile and print, after
     the table, the ``profile`` costliest functions of each contender's fastest run (the
-    table's times then include the profiler's overhead). ``cold``: add the cold-cache group.
+    table's times then include the profiler's overhead). ``cold``: add the cold-cache group;
+    ``first_call``: the first-call group (:mod:`.firstcall`).
     Contenders that cannot run here (a peer not installed, no root to drop the cache) are
     listed as skipped, with the reason."""
-    order = ORDER + (GPU_ORDER if gpu else []) + (COLD_ORDER if cold else [])
+    order = ORDER + (GPU_ORDER if gpu else []) + (COLD_ORDER if cold else []) + (FIRST_CALL_ORDER if first_call else [])
     names = [n for n in order if only is None or any(o in n for o in only.split(","))]
     tmp = tempfile.mkdtemp(prefix="th5-bench-", dir=workdir)
     ctx = Ctx(tmp, int(size_gb * 1e9), keys)
     rows: list[dict[str, Any]] = []
     try:
         needs = set(names)
-        if any(n.startswith(("R.", "L.", "G.", "C.")) for n in needs):
+        if any(n.startswith(("R.", "L.", "G.", "C.")) or (n.startswith("F.") and "10,000" not in n and "F.cli" not in n)
+               for n in needs):
             for w in ("L.write raw bytes", "W.tensorstore_h5 save", "W.torch.save", "W.safetensors save_file",
                       "W.pickle header + raw storages", "W.naive h5py create_dataset(data=t.numpy())",
                       "W.tensorizer TensorSerializer"):
                 if w not in needs:
                     _run_worker(w, ctx)  # produce the files the read contenders need
-        if any(n.startswith("K.") for n in needs):
+        if any(n.startswith("K.") or "10,000" in n for n in needs):
             prepare_keys_files(ctx)
         if any(n.startswith("S.") and "load" in n for n in needs):
             for w in ("S.tensorstore_h5 save small objects", "S.torch.save small objects"):
@@ -360,6 +366,25 @@ def _ratios(rows: list[dict[str, Any]], echo: Callable[[str], None]) -> None:
         ratio("C.tensorstore_h5 load (cold)", "C.best peer (cold)", f"cold load vs the best cold peer ({by['C.best peer (cold)']['name'][2:]}; >= 1)")
         ratio("C.tensorstore_h5 load (cold)", "C.L.O_DIRECT reads of the file, 2 threads (cold)", "cold load / O_DIRECT disk limit (>= 0.9)")
         ratio("C.tensorstore_h5 load (cold)", "C.L.buffered reads of the file, 2 threads (cold)", "cold load / buffered disk limit")
+    first = "F.{}, fresh process"
+    ratio(first.format("tensorstore_h5 open + keys() (10,000 keys)"), first.format("safetensors safe_open + keys() (10,000 keys)"),
+          "first call: open + keys(10k) vs safetensors (>= 1)")
+    ratio(first.format("tensorstore_h5 1% row slice of every tensor"), first.format("safetensors get_slice 1% rows of every tensor"),
+          "first call: 1% row slices vs safetensors (>= 0.83)")
+    ratio(first.format("tensorstore_h5 load(mmap) + touch"), first.format("torch.load(mmap) + touch"),
+          "first call: load(mmap)+touch vs torch.load(mmap)+touch (>= 1)")
+    ratio(first.format("tensorstore_h5 load(mmap) + touch"), first.format("safetensors load_file + touch"),
+          "first call: load(mmap)+touch vs safetensors load_file+touch (>= 0.91)")
+    ratio(first.format("tensorstore_h5 load"), first.format("safetensors load_file + clone"),
+          "first call: load vs safetensors load_file + clone (>= 1)")
+    ratio(first.format("tensorstore_h5 load"), first.format("tensorizer TensorDeserializer"), "first call: load vs tensorizer")
+    start = by.get("F.cli python -c pass (the interpreter's start)")
+    if start is not None:
+        for name in ("F.cli python -c 'import torch'", "F.cli tensorstore-h5 --help", "F.cli tensorstore-h5 ls (10,000 keys)",
+                     "F.cli tensorstore-h5 info (10,000 keys)"):
+            if name in by:
+                echo(f"  {name[6:] + ': ms beyond the interpreter start':<70} "
+                     f"{(by[name]['best_s'] - start['best_s']) * 1e3:6.0f} {(by[name]['median_s'] - start['median_s']) * 1e3:6.0f}")
     if "R.tensorstore_h5 items() streaming" in by and "R.safetensors safe_open streaming" in by:
         echo(f"  {'streaming peak RSS growth (MiB), tensorstore_h5 vs safetensors':<70} "
              f"{by['R.tensorstore_h5 items() streaming']['peak_mib']:6.0f} vs "
@@ -430,5 +455,6 @@ def run_args(a: Any) -> int:
     if a.gpu and not torch.cuda.is_available():
         print("tensorstore-h5 bench --gpu: CUDA is not available on this machine", file=sys.stderr)
         return 1
-    run(a.size_gb, a.keys, a.repeat, a.only, a.dir, a.json, gpu=a.gpu, settle=a.settle, profile=a.profile, cold=a.cold)
+    run(a.size_gb, a.keys, a.repeat, a.only, a.dir, a.json, gpu=a.gpu, settle=a.settle, profile=a.profile, cold=a.cold,
+        first_call=a.first_call)
     return 0

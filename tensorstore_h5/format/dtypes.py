@@ -17,18 +17,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-import h5py
 import numpy as np
 import torch
 
 from ..errors import UnsupportedTypeError
+
+if TYPE_CHECKING:
+    import h5py  # imported where HDF5 types are made: a format-2 file is read without h5py
 
 __all__ = ["DtypeSpec", "REGISTRY", "spec_for_torch", "spec_for_name", "spec_for_numpy", "bits_view"]
 
 
 def _ieee_like(size: int, sign_pos: int, exp_pos: int, exp_size: int, mant_size: int, bias: int) -> h5py.h5t.TypeFloatID:
     """An HDF5 little-endian float type with the given bit fields."""
+    import h5py
+
     tid = h5py.h5t.IEEE_F32LE.copy()
     tid.set_fields(sign_pos, exp_pos, exp_size, 0, mant_size)
     tid.set_offset(0)
@@ -40,13 +45,14 @@ def _ieee_like(size: int, sign_pos: int, exp_pos: int, exp_size: int, mant_size:
 
 def _complex32() -> h5py.h5t.TypeCompoundID:
     """Compound {r, i} of two float16, the layout h5py uses for complex numbers."""
+    import h5py
+
     tid = h5py.h5t.create(h5py.h5t.COMPOUND, 4)
     tid.insert(b"r", 0, h5py.h5t.IEEE_F16LE)
     tid.insert(b"i", 2, h5py.h5t.IEEE_F16LE)
     return tid
 
 
-_RAW_TYPES = {1: h5py.h5t.STD_U8LE, 2: h5py.h5t.STD_U16LE, 4: h5py.h5t.STD_U32LE, 8: h5py.h5t.STD_U64LE}
 _BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -71,11 +77,13 @@ class DtypeSpec:
     @cached_property
     def h5_type(self) -> h5py.h5t.TypeID:
         """The HDF5 type used in files and as the memory type of raw reads and writes."""
+        import h5py
+
         if self.storage == "native":
             assert self.numpy_dtype is not None
             return h5py.h5t.py_create(self.numpy_dtype)
         if self.storage == "raw":
-            return _RAW_TYPES[self.itemsize]
+            return {1: h5py.h5t.STD_U8LE, 2: h5py.h5t.STD_U16LE, 4: h5py.h5t.STD_U32LE, 8: h5py.h5t.STD_U64LE}[self.itemsize]
         return _FLOAT_TYPES[self.name]()
 
 

@@ -18,9 +18,8 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
-import h5py
 import numpy as np
 
 from ..errors import FormatError
@@ -29,6 +28,9 @@ from .constants import FORMAT_VERSION
 from .dtypes import DtypeSpec, spec_for_name
 from .slicing import contiguous_stride, has_gaps, stride_span
 from .tree import Container
+
+if TYPE_CHECKING:
+    import h5py
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "READ_VERSIONS", "ROOT_DATASET", "PACK_GROUP", "LAYOUT_DATASET", "USERBLOCK",
@@ -813,6 +815,8 @@ def write_dataset_attrs(dsid: h5py.h5d.DatasetID, entry: TensorEntry) -> None:
     """Write :func:`dataset_attrs` through libhdf5."""
     attrs = dataset_attrs(entry)
     if attrs:
+        import h5py  # (only writers and format-1 readers use h5py: a format-2 file is read without it)
+
         ds = h5py.Dataset(dsid)
         for name, value in attrs:
             ds.attrs.create(name, value)

@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import h5py
 import numpy as np
 import torch
 
@@ -36,6 +35,19 @@ from .memory import tensor_bytes
 
 __all__ = ["H5_ERRORS", "HDF5Read", "open_file", "read_layout", "foreign_layout", "locate", "verify_layout",
            "BLOCK_BYTES", "read_hdf5", "write_hdf5", "row_blocks", "write_tensor"]
+
+class _LazyH5py:
+    """Stands for the h5py module until first used (format-2 files are read without it: its
+    import is ~20 ms of a fresh process's first open); then the module global is h5py itself."""
+
+    def __getattr__(self, name: str) -> Any:
+        import h5py as module
+
+        globals()["h5py"] = module
+        return getattr(module, name)
+
+
+h5py: Any = _LazyH5py()
 
 H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, AttributeError, UnicodeDecodeError)
 """What h5py raises for damaged files."""

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import gc
 import math
 import mmap
 import os
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -103,9 +103,10 @@ class _Mallinfo2(ctypes.Structure):
 
 
 def _glibc() -> tuple[Callable[[int], int], Callable[[], _Mallinfo2] | None] | None:
-    """glibc's ``malloc_trim`` and ``mallinfo2`` (None where the C library is another)."""
+    """glibc's ``malloc_trim`` and ``mallinfo2`` (None where the C library is another), from
+    the process's own symbols (``find_library`` runs ``ldconfig -p``: milliseconds at import)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)
         trim = libc.malloc_trim
     except (OSError, AttributeError):
         return None
@@ -116,7 +117,7 @@ def _glibc() -> tuple[Callable[[int], int], Callable[[], _Mallinfo2] | None] | N
     return trim, info
 
 
-_GLIBC = _glibc() if os.name == "posix" else None
+_GLIBC: Any = False  # looked up on first use (None: not glibc)
 
 _streamed = 0
 
@@ -132,7 +133,9 @@ def streamed(nbytes: int) -> None:
     :data:`TRIM_CHECK_BYTES` streamed, when the heap holds :data:`TRIM_BYTES` free,
     ``malloc_trim(0)`` returns its free pages. The price is faulting that memory in again: the
     merge took 1.45x as long on this project's VM, where fresh memory is slow."""
-    global _streamed
+    global _streamed, _GLIBC
+    if _GLIBC is False:
+        _GLIBC = _glibc() if os.name == "posix" else None
     if _GLIBC is None or TRIM_BYTES is None:
         return
     _streamed += nbytes

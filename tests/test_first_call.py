@@ -1,0 +1,58 @@
+"""The first call in a fresh process imports only what its path needs (issue #29): a format-2
+file is opened, listed, sliced and loaded without h5py, hdf5plugin, fsspec, the writer, the
+sharded or the distributed code; the bench's first-call group measures it in fresh processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+import tensorstore_h5 as th5
+from tensorstore_h5.bench import firstcall
+from tensorstore_h5.bench.contenders import CONTENDERS, Ctx
+
+_HEAVY = ("h5py", "hdf5plugin", "fsspec", "tensorstore_h5.writing", "tensorstore_h5.sharded",
+          "tensorstore_h5.distributed", "tensorstore_h5.codecs.presets", "tensorstore_h5.format.hdf5meta")
+
+
+def _imported_after(code: str) -> list[str]:
+    script = f"import json, sys\nimport torch\n{code}\nprint(json.dumps(sorted(sys.modules)))\n"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_reading_a_format_2_file_imports_no_hdf5_writer_or_remote_code(tmp_path) -> None:
+    path = tmp_path / "f.h5"
+    th5.save({"model": {"w": torch.randn(64, 8), "b": torch.zeros(8)}, "step": 3}, path)
+    mods = _imported_after(
+        "import tensorstore_h5 as th5\n"
+        f"s = th5.open({str(path)!r}); s.keys(); s['model/w'][:4]; s.close()\n"
+        f"th5.load({str(path)!r}); th5.load({str(path)!r}, mmap=True)\n")
+    loaded = [m for m in mods if m.split(".")[0] in _HEAVY or m.startswith(_HEAVY)]
+    assert loaded == [], loaded
+    assert "tensorstore_h5.reading.store" in mods  # (the probe did run)
+
+
+def test_format_1_and_saving_still_import_what_they_need(tmp_path) -> None:
+    path = tmp_path / "f.h5"
+    mods = _imported_after(f"import tensorstore_h5 as th5\nimport torch\nth5.save({{'w': torch.ones(3)}}, {str(path)!r})\n")
+    assert "h5py" in mods and "tensorstore_h5.writing.writer" in mods
+
+
+def test_the_first_call_group_times_a_fresh_process(tmp_path) -> None:
+    """One first-call contender, run: its child imports the library inside its own clock and
+    reports the seconds, which the runner takes instead of the child's start."""
+    from safetensors.torch import save_file
+
+    sd = {f"k{i}": torch.full((4,), float(i)) for i in range(100)}
+    th5.save(sd, tmp_path / "many.h5")
+    save_file(sd, str(tmp_path / "many.safetensors"))
+    ctx = Ctx(str(tmp_path), 0, 0)
+    for name in ("F.tensorstore_h5 open + keys() (10,000 keys), fresh process",
+                 "F.safetensors safe_open + keys() (10,000 keys), fresh process"):
+        op, _ = CONTENDERS[name][1](ctx)
+        seconds = op()
+        assert isinstance(seconds, firstcall.Measured) and 0 < float(seconds) < 30

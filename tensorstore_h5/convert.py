@@ -16,6 +16,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Union
 
 from .errors import FormatError, KeyNotFoundError, TensorStoreError, UnsupportedTypeError, WriteError
+from .format.constants import KEY_PATHS, KEYS_MARKER
 
 if TYPE_CHECKING:
     from .reading.store import Store
@@ -41,13 +42,6 @@ _SAFETENSORS_DTYPES = {
 }
 """torch dtype name -> safetensors dtype code: the dtypes ``safetensors.torch`` reads."""
 
-KEYS_MARKER = "tensorstore_h5.keys"
-"""The ``__metadata__`` entry of a safetensors file written by :func:`convert` whose tensor names
-are tensorstore_h5 key paths (escaped names joined by ``/``, docs/FORMAT.md "Keys"); its value
-is :data:`KEY_PATHS`. Written only when some name differs from the escaped form of itself (it
-holds a ``/`` of nesting or a ``%`` escape): a plain name means the same either way."""
-
-KEY_PATHS = "paths"
 
 
 def format_of(path: PathLike) -> str:

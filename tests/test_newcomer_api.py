@@ -275,3 +275,21 @@ def test_saving_a_module_suggests_its_state_dict(tmp_path) -> None:
     with pytest.raises(th5.UnsupportedTypeError, match=r"did you mean th5\.save\(model\.state_dict\(\), path\)"):
         th5.save(model, tmp_path / "m.h5")
     assert not (tmp_path / "m.h5").exists()
+
+
+def test_a_directory_holding_a_converted_safetensors_file_keeps_the_nesting(tmp_path) -> None:
+    """A lone model.safetensors that convert wrote from a nested file opens as a directory
+    with the same key paths and loads into the same nesting (the marker is not metadata)."""
+    g = torch.Generator().manual_seed(4)
+    obj = {"model": {"layers.0.w": torch.randn(3, 2, generator=g), "sub": {"b": torch.zeros(2)}},
+           "head": torch.ones(4)}
+    th5.save(obj, tmp_path / "n.h5")
+    d = tmp_path / "hf"
+    d.mkdir()
+    th5.convert(tmp_path / "n.h5", d / "model.safetensors")
+    with th5.open(tmp_path / "n.h5") as a, th5.open(d) as b:
+        assert b.keys() == a.keys()
+        assert KEYS_MARKER not in b.metadata
+    got = th5.load(d)
+    assert set(got) == {"model", "head"} and torch.equal(got["model"]["sub"]["b"], obj["model"]["sub"]["b"])
+    assert torch.equal(got["model"]["layers.0.w"], obj["model"]["layers.0.w"])

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 from ..errors import FormatError
 from ..format import tree
 from ..format import layout as fmt
+from ..format.constants import KEY_PATHS, KEYS_MARKER
 from ..format.dtypes import DtypeSpec, spec_for_name
 from ..storage import files
 from .index import DirectoryIndex, Piece, ShardedTensorEntry
@@ -100,6 +101,19 @@ class _SafetensorsFiles:
             f.raw.close()
 
 
+def _key_path(key: str, file: str) -> str:
+    """``key``, a tensor name that is a tensorstore_h5 key path (the file says so), checked."""
+    try:
+        for name in tree.split(key):
+            tree.unescape(name)
+    except ValueError as e:
+        raise FormatError(f"{file}: key {key!r} is not a tensorstore_h5 key path, as the file's __metadata__ "
+                          f"({KEYS_MARKER!r}) says it is ({e})") from None
+    if not key:
+        raise FormatError(f"{file}: an empty tensor name")
+    return key
+
+
 def safetensors_index(directory: str, index_file: str | None) -> tuple[DirectoryIndex, _SafetensorsFiles]:
     """The view of a Hugging Face checkpoint: ``*.safetensors.index.json`` + shards, or a lone
     ``model.safetensors``. Keys are the escaped tensor names (as ``convert`` writes them).
@@ -133,14 +147,33 @@ def safetensors_index(directory: str, index_file: str | None) -> tuple[Directory
         if wmap is None:
             wmap = {k: names[0] for k in opened[names[0]].tensors}
             meta = dict(opened[names[0]].metadata)
+        # Written by convert from a tensorstore_h5 file: the names are key paths, nesting kept.
+        nested = all(f.metadata.get(KEYS_MARKER) == KEY_PATHS for f in opened.values())
+        if meta is not None and KEYS_MARKER in meta:
+            meta = {k: v for k, v in meta.items() if k != KEYS_MARKER}
         paths, types, entries = [""], ["dict"], [{}]
+        seen: set[str] = {""}
         for key, name in wmap.items():
             info = opened[name].tensors.get(key)
             if info is None:
                 raise FormatError(f"{os.path.join(directory, name)}: key {key!r}: not in the file, which the index "
                                   f"{ipath} names for it")
             spec, shape, _ = info
-            paths.append(tree.escape(key))
+            path = _key_path(key, os.path.join(directory, name)) if nested else tree.escape(key)
+            if nested:
+                parts = path.split("/")
+                for i in range(1, len(parts)):  # each parent once, before its first child
+                    parent = "/".join(parts[:i])
+                    if parent not in seen:
+                        seen.add(parent)
+                        paths.append(parent)
+                        types.append("dict")
+                        entries.append({})
+                if path in seen:
+                    raise FormatError(f"{os.path.join(directory, name)}: key {key!r} is a tensor and also holds "
+                                      "other keys, or is named twice; the file's key paths make no tree")
+                seen.add(path)
+            paths.append(path)
             types.append("tensor")
             entries.append({"dtype": spec.name, "shape": list(shape),
                             "pieces": [{"file": name, "key": key, "offsets": [0] * len(shape), "shape": list(shape)}]})

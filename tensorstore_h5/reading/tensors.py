@@ -117,7 +117,7 @@ class TensorReader:
     def compression(self, entry: TensorEntry) -> dict[str, Any] | None:
         where = self.where(entry)
         if isinstance(where, Chunked):
-            return {"filters": [{"id": where.filter_id, "name": fmt.FILTERS.get(where.filter_id, str(where.filter_id)),
+            return {"filters": [{"id": where.filter_id, "name": fmt.FILTER_NAMES.get(where.filter_id, str(where.filter_id)),
                                  "options": list(where.filter_values)}], "chunks": list(where.chunk_shape)}
         if isinstance(where, HDF5Read):
             from ..codecs.presets import describe
@@ -336,7 +336,16 @@ class TensorReader:
         where = self.where(entry)
         raw = self.rawfile()
         whole_check = verify and sel.full
-        if verify and not sel.full and isinstance(where, Contiguous) and not sel.empty:
+        partial_check = verify and not sel.full and isinstance(where, Contiguous) and not sel.empty
+        if partial_check and not self.local:  # the slice is read from the very bytes that are checked
+            assert isinstance(where, Contiguous)
+            lo, hi = touched(entry, sel)
+            b = where.block
+            lo, hi = lo // b * b, min(where.nbytes, -(-hi // b) * b)
+            with self.fetching([entry.path]):
+                raw.prefetch([(where.offset + lo, hi - lo)])
+            fetch = False
+        if partial_check:
             self.verify_stored(entry, touched(entry, sel))  # the checksum blocks the selection touches
         if fetch and not self.local and not sel.empty:
             with self.fetching([entry.path]):
@@ -537,7 +546,8 @@ def flagged(t: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
 def why(e: BaseException) -> str:
     """The reason of a read failure, for a message that already names the file and key."""
     if isinstance(e, checksum.ChecksumError):
-        return f"stored bytes do not match their checksum ({e}); the file is damaged"
+        return (f"stored bytes do not match their checksum ({e}); the file is damaged, or another tool wrote "
+                "to it in place (h5py): if so, `tensorstore-h5 reindex FILE` adopts the values")
     if isinstance(e, DecodeError):
         return f"a compressed chunk does not decode ({e}): the file is damaged"
     return f"cannot read the data ({e})"

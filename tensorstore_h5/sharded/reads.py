@@ -109,7 +109,7 @@ class Th5Files:
             raise FormatError(f"{e} (key {key!r})") from e
         except OSError as e:
             raise FormatError(f"{where}: cannot read the file ({e})") from e
-        if store.format_version != 2:
+        if store.format_version not in (2, 3):
             store.close()
             raise FormatError(f"{where}: not a tensorstore_h5 format-2 file")
         try:
@@ -125,7 +125,7 @@ class Th5Files:
         e = store._layout.entry(piece.key)
         full = os.path.join(self.index.directory, piece.file)
         if not isinstance(e, kind):
-            what = "no such key" if e is None else f"a {type(e).__name__}, not a {kind.__name__}"
+            what = "no such key" if e is None else f"a {type(e).__name__}, not a {' or '.join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))}"
             raise FormatError(f"{full}: key {piece.key!r} (a piece of {owner!r}): {what} in the file the index "
                               f"{self.index.path} names")
         if tuple(e.shape) != tuple(piece.shape):

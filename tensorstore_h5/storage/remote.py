@@ -512,7 +512,11 @@ class RemoteSource(files.Source):
             t.join()
         if "error" in result:
             raise result["error"]
-        self.size = int(result["info"]["size"])
+        size = result["info"].get("size")
+        if type(size) is not int and not (isinstance(size, str) and size.isdigit()):
+            raise RemoteError(f"{self.path}: the server gives no size of the object (no Content-Length or "
+                              f"Content-Range total; got {size!r}), which a ranged read needs")
+        self.size = int(size)
         self.etag = _strong_etag(result["info"])
         tail = result.get("tail")
         if tail is not None:

@@ -1,22 +1,33 @@
 """A mutation fuzzer for tensorstore_h5's readers.
 
-Small valid format-2 files (plain, lz4, zstd) are mutated (byte flips anywhere, truncations,
-appended bytes, flips inside compressed chunks, and JSON edits of the layout with the header's
-hashes recomputed, which reach the parser past its checksums) and read by a worker process
-through every public read path (tests/hostile/hostile_files.py: load, load(mmap),
-load(verify), items, slices, load_into, device=, convert) and the CLI (ls, info, verify).
+Three surfaces, each mutated and read in a worker process through every public read path:
+
+- files (this module): small valid format-2 files (plain, lz4, zstd) are mutated (byte flips
+  anywhere, truncations, appended bytes, flips inside compressed chunks, and JSON edits of the
+  layout with the header's hashes recomputed, which reach the parser past its checksums) and
+  read through every public read path (tests/hostile/hostile_files.py: load, load(mmap),
+  load(verify), items, slices, load_into, device=, convert) and the CLI (ls, info, verify);
+- directories (tests/hostile/fuzz_dirs.py): tensorstore_h5 rank directories and Hugging Face
+  sharded safetensors directories, their indexes and data files mutated, read through
+  ``th5.open(dir)``, ``th5.load``, ``th5.load_into``, DCP's ``dcp.load`` and the CLI;
+- HTTP answers (tests/hostile/fuzz_http.py): a loopback server answering hostilely, read
+  through ``th5.load(url)``, ``th5.open(url)`` and ``th5.load_into`` with both clients.
 
 The worker runs under an address-space limit of its own size plus 1 GiB, and each case has a
 time limit: a crash, a hang or an allocation beyond that is a finding, as is any read that
 raises something other than a TensorStoreError naming the file, returns bytes that a canary
 planted in freed heap memory shows were never filled, or returns tensor bytes that neither
-equal what was saved nor (unchecked reads) the file's own bytes where the layout says.
+equal what was saved nor (unchecked reads) the file's own bytes where the layout says (each
+surface's module says its own property).
 
-    python tests/hostile/fuzz.py run --seconds 3600 --out findings/   # a release run
-    python tests/hostile/fuzz.py check FILE...                        # re-run saved findings
+    python tests/hostile/fuzz.py run --seconds 3600 --out findings/   # a release run (files)
+    python tests/hostile/fuzz.py run --surface dirs --seconds 600     # one surface
+    python tests/hostile/fuzz.py run --surface all --seconds 3600     # all, split by --split
+    python tests/hostile/fuzz.py check FILE...                        # re-run kept findings
 
-CI runs it for TH5_FUZZ_SECONDS (default 60) through tests/hostile/test_fuzz.py; every file
-it ever found is kept in tests/hostile/regressions/.
+CI runs it for TH5_FUZZ_SECONDS (default 60, split between the surfaces by TH5_FUZZ_SPLIT,
+default ``files=4,dirs=1,http=1``) through tests/hostile/test_fuzz.py; every case it ever found
+is kept in tests/hostile/regressions/ (files), regressions_dirs/ and regressions_http/.
 """
 
 from __future__ import annotations
@@ -228,21 +239,53 @@ def check(path: Path, original: Any, rewritten: bool = False) -> list[str]:
     return problems
 
 
+SURFACES = ("files", "dirs", "http")
+"""What the fuzzer mutates: single format-2 files (this module), checkpoint directories
+(tests/hostile/fuzz_dirs.py) and HTTP servers' answers (tests/hostile/fuzz_http.py)."""
+
+
+def _surface(name: str) -> Any:
+    """The module of a surface other than files (None where its optional packages are missing)."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"hostile.fuzz_{name}")
+    except ImportError:
+        return None
+
+
 def worker() -> None:
-    """Read case lines ``{"path": ..., "seed": ...}`` from stdin; write one JSON result line each."""
+    """Read case lines (``{"path": ..., "seed": ..., "mode": ...}`` for a file, ``{"surface":
+    "dirs" | "http", ...}`` for the others); write one JSON result line each."""
     _setup_path()
     import torch  # noqa: F401 - imported before the limit: its mappings count once
 
     import tensorstore_h5  # noqa: F401
 
+    surfaces = {}
+    for name in SURFACES[1:]:  # their imports (DCP, fsspec, aiohttp) and threads, before the limit too
+        module = _surface(name)
+        if module is not None:
+            try:
+                module.prepare()
+            except ImportError:
+                continue
+            surfaces[name] = module
     with open("/proc/self/status") as f:
         vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
     resource.setrlimit(resource.RLIMIT_AS, (vm + 2**30, resource.RLIM_INFINITY))
     originals = {kind: seed_object(kind) for kind in SEED_NAMES}
     for line in sys.stdin:
         case = json.loads(line)
-        problems = check(Path(case["path"]), originals.get(case["seed"]), case.get("mode") == "layout")
-        sys.stdout.write(json.dumps({"problems": problems}) + "\n")
+        surface = case.get("surface", "files")
+        if surface == "files":
+            result: dict[str, Any] = {"problems": check(Path(case["path"]), originals.get(case["seed"]),
+                                                        case.get("mode") == "layout")}
+        elif surface in surfaces:
+            result = surfaces[surface].check_case(case)
+        else:
+            result = {"problems": [], "skipped": f"the {surface} surface needs packages that are not installed"}
+        sys.stdout.write(json.dumps(result) + "\n")
         sys.stdout.flush()
 
 
@@ -258,27 +301,36 @@ class Worker:
 
     def start(self) -> subprocess.Popen[str]:
         if self.proc is None or self.proc.poll() is not None:
+            # Few malloc arenas: the limit is for what reads allocate, not for idle arenas of I/O threads.
+            env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
             self.proc = subprocess.Popen([sys.executable, str(HERE / "fuzz.py"), "worker"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, text=True, bufsize=1)
+                                         stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
             self.warm = False
         return self.proc
 
     def run(self, path: Path, seed: str, mode: str, timeout: float = CASE_SECONDS) -> list[str]:
+        """The problems of a file case."""
+        return self.ask({"path": str(path), "seed": seed, "mode": mode}, timeout)["problems"]
+
+    def ask(self, case: dict[str, Any], timeout: float = CASE_SECONDS) -> dict[str, Any]:
+        """The worker's result for one case (``{"problems": [...], ...}``); a worker that dies
+        or does not answer within ``timeout`` is a problem (a crash, a hang), and is restarted
+        for the next case."""
         proc = self.start()
         assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(json.dumps({"path": str(path), "seed": seed, "mode": mode}) + "\n")
+        proc.stdin.write(json.dumps(case) + "\n")
         proc.stdin.flush()
         ready, _, _ = select.select([proc.stdout], [], [], timeout + (0 if self.warm else self.STARTUP))
         if not ready:
             self.stop()
-            return [f"hang: no answer in {timeout:.0f} s"]
+            return {"problems": [f"hang: no answer in {timeout:.0f} s"]}
         line = proc.stdout.readline()
         if not line:
             code = proc.wait()
             self.stop()
-            return [f"crash: the worker died (exit status {code})"]
+            return {"problems": [f"crash: the worker died (exit status {code})"]}
         self.warm = True
-        return json.loads(line)["problems"]
+        return json.loads(line)
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -290,13 +342,15 @@ class Worker:
             self.proc = None
 
 
-def run(seconds: float, out: Path, seed: int) -> list[tuple[str, list[str]]]:
-    """Fuzz for ``seconds``; findings are copied to ``out``. Returns (file, problems) of each."""
+def run(seconds: float, out: Path, seed: int, worker: Worker | None = None) -> list[tuple[str, list[str]]]:
+    """Fuzz files for ``seconds``; findings are copied to ``out``. Returns (file, problems) of
+    each. ``worker``: a running worker to use (and leave running), else one of its own."""
     _setup_path()
     rng = random.Random(seed)
     findings: list[tuple[str, list[str]]] = []
     out.mkdir(parents=True, exist_ok=True)
-    w = Worker()
+    w = worker or Worker()
+    start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         seeds = {k: p.read_bytes() for k, p in make_seeds(Path(tmp)).items()}
         case = Path(tmp) / "case.h5"
@@ -314,27 +368,67 @@ def run(seconds: float, out: Path, seed: int) -> list[tuple[str, list[str]]]:
                     shutil.copy(case, out / name)
                     findings.append((name, problems))
         finally:
-            w.stop()
-    print(f"fuzz: {n} cases in {seconds:.0f} s (seed {seed}), {len(findings)} findings in {out}")
+            if worker is None:
+                w.stop()
+    took = time.monotonic() - start
+    print(f"fuzz files: {n} cases in {took:.0f} s ({n / max(took, 1e-9):.1f}/s, seed {seed}), {len(findings)} findings "
+          f"in {out}")
     return findings
+
+
+def split_seconds(seconds: float, split: str | None = None) -> dict[str, float]:
+    """Each surface's share of ``seconds``, from ``split`` (``TH5_FUZZ_SPLIT``, default
+    ``files=4,dirs=1,http=1``: weights; a surface left out, or given 0, is not run)."""
+    text = split if split is not None else os.environ.get("TH5_FUZZ_SPLIT", "files=4,dirs=1,http=1")
+    weights = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, w = part.partition("=")
+        if name not in SURFACES:
+            raise ValueError(f"TH5_FUZZ_SPLIT: unknown surface {name!r} (known: {', '.join(SURFACES)})")
+        weights[name] = float(w or 1)
+    total = sum(weights.values()) or 1.0
+    return {name: seconds * weights.get(name, 0.0) / total for name in SURFACES}
+
+
+def run_surface(surface: str, seconds: float, out: Path, seed: int, worker: Worker | None = None
+                ) -> list[tuple[str, list[str]]]:
+    """Fuzz one surface for ``seconds`` (see :func:`run`)."""
+    if surface == "files":
+        return run(seconds, out, seed, worker)
+    module = _surface(surface)
+    if module is None:
+        raise ImportError(f"the {surface} surface needs packages that are not installed")
+    return module.run(seconds, out, seed, worker)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("--seconds", type=float, default=60)
+    r.add_argument("--seconds", type=float, default=60, help="in all, split between the surfaces (--split)")
     r.add_argument("--out", type=Path, default=Path("fuzz-findings"))
     r.add_argument("--seed", type=int, default=int(time.time()))
-    c = sub.add_parser("check")
+    r.add_argument("--surface", choices=[*SURFACES, "all"], default="files")
+    r.add_argument("--split", default=None, help="with --surface all: weights, e.g. files=4,dirs=1,http=1 "
+                                                 "(default TH5_FUZZ_SPLIT or that)")
+    c = sub.add_parser("check", help="re-run kept findings: .h5 files, directory cases, HTTP cases (.json)")
     c.add_argument("files", nargs="+", type=Path)
     sub.add_parser("worker")
     args = p.parse_args(argv)
     if args.cmd == "worker":
         worker()
         return 0
+    _setup_path()
     if args.cmd == "run":
-        findings = run(args.seconds, args.out, args.seed)
+        shares = split_seconds(args.seconds, args.split) if args.surface == "all" else {args.surface: args.seconds}
+        findings = []
+        w = Worker()
+        try:
+            for surface, seconds in shares.items():
+                if seconds > 0:
+                    findings += run_surface(surface, seconds, args.out, args.seed, w)
+        finally:
+            w.stop()
         for name, problems in findings:
             print(name, *problems, sep="\n  ")
         return 1 if findings else 0
@@ -342,8 +436,13 @@ def main(argv: list[str] | None = None) -> int:
     bad = 0
     try:
         for f in args.files:
-            seed, mode = (f.name.split("-") + ["", ""])[:2]
-            problems = w.run(f, seed, mode)
+            if f.is_dir():
+                problems = _surface("dirs").check_saved([f], w)[0][1]
+            elif f.suffix == ".json":
+                problems = _surface("http").check_saved([f], w)[0][1]
+            else:
+                seed, mode = (f.name.split("-") + ["", ""])[:2]
+                problems = w.run(f, seed, mode)
             bad += bool(problems)
             print(f, "ok" if not problems else "", *problems, sep="\n  ")
     finally:

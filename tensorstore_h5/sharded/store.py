@@ -236,6 +236,13 @@ class ShardedStore:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self._layout.entries if isinstance(e, (ShardedTensorEntry, ShardedArrayEntry)))
 
+    def stats(self, select: Selector = None, **options: Any) -> Any:
+        """Per-tensor ``mean``, ``std``, ``min``, ``max``, ``nan``, ``inf``, ``zeros``, streaming
+        (:func:`tensorstore_h5.reading.compare.stats`)."""
+        from ..reading.compare import stats
+
+        return stats(self, select, **options)
+
     def selected_keys(self, select: Selector = None) -> list[str]:
         included = resolve(select, self._layout.leaf_paths, self._layout.container_paths, self.path)
         return [p for p in self._layout.leaf_paths if p in included]

@@ -28,9 +28,11 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from .codecs.presets import PRESETS
     from .format.constants import FORMAT_VERSION
     from .format.tree import escape, unescape
+    from .reading.compare import Diff, Stats
     from .reading.store import Store, TensorHandle
     from .sharded import ShardedStore
     from .writing.background import save_async
+    from .writing.reindex import reindex
     from .writing.writer import Writer, save
 
 
@@ -55,8 +57,9 @@ if not any(getattr(f, "__name__", "") == "_FormerPaths" for f in _sys.meta_path)
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "save_async", "load", "load_into", "open", "convert", "Store", "ShardedStore", "TensorHandle", "Writer",
-    "LoadResult",
+    "save", "save_async", "load", "load_into", "open", "convert", "reindex", "Store", "ShardedStore", "TensorHandle",
+    "Writer",
+    "LoadResult", "diff", "stats", "Diff", "Stats",
     "escape", "unescape", "PRESETS", "FORMAT_VERSION",
     "TensorStoreError", "FormatError", "UnsupportedTypeError", "KeyNotFoundError", "MismatchError", "WriteError",
     "PathError", "MissingFileError", "FileAccessError", "NotRegularFileError", "InvalidPathError",
@@ -68,9 +71,33 @@ _LAZY = {
     "open": "api", "load": "api", "load_into": "api", "LoadResult": "api", "PRESETS": "codecs.presets",
     "FORMAT_VERSION": "format.constants", "escape": "format.tree", "unescape": "format.tree",
     "Store": "reading.store", "TensorHandle": "reading.store", "ShardedStore": "sharded",
+    "Diff": "reading.compare", "Stats": "reading.compare",
     "save_async": "writing.background", "Writer": "writing.writer", "save": "writing.writer",
+    "reindex": "writing.reindex",
 }
 """The public names imported on first use, and the module (under this package) of each."""
+
+
+def diff(a: Any, b: Any, select: Any = None, *, storage_options: dict[str, Any] | None = None, **options: Any) -> Diff:
+    """Compare two checkpoints key by key, streaming (memory holds a few tensors, never a
+    checkpoint): ``a`` and ``b`` are anything :func:`open` takes (files, URLs, checkpoint
+    directories, Hugging Face shards) or lone ``.safetensors`` files. Returns a :class:`Diff`,
+    rows of ``key``, ``status``, ``max_abs``, ``rel_l2``, ... (a table with a figure in
+    Jupyter); ``select``, ``progress`` and ``verify``: :func:`tensorstore_h5.reading.compare.diff`."""
+    from .api import open as opener
+    from .reading.compare import diff as compare
+
+    return compare(a, b, select, opener=lambda p: opener(p, storage_options=storage_options), **options)
+
+
+def stats(source: Any, select: Any = None, *, storage_options: dict[str, Any] | None = None, **options: Any) -> Stats:
+    """Per-tensor ``mean``, ``std``, ``min``, ``max`` and counts of ``nan``, ``inf`` and
+    ``zeros`` of a checkpoint (anything :func:`open` takes, or a store), streaming, in float64.
+    Returns a :class:`Stats`; details: :func:`tensorstore_h5.reading.compare.stats`."""
+    from .api import open as opener
+    from .reading.compare import stats as compare
+
+    return compare(source, select, opener=lambda p: opener(p, storage_options=storage_options), **options)
 
 
 def _bind(name: str) -> Any:

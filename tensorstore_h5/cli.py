@@ -325,6 +325,24 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return _EXIT_OK
 
 
+def cmd_reindex(args: argparse.Namespace) -> int:
+    """Rebuild a file's layout from its HDF5 part after an edit with h5py or h5repack."""
+    from .writing.reindex import KEEP, reindex
+
+    t0 = time.perf_counter()
+    compression = KEEP if args.compression == "keep" else None if args.compression == "none" else args.compression
+    done = reindex(args.file, compression=compression, progress=args.progress)
+
+    def few(keys: list[str]) -> str:
+        return ", ".join(map(repr, keys[:5])) + (" ..." if len(keys) > 5 else "")
+    changes = [f"{len(done.added)} new: {few(done.added)}" if done.added else "",
+               f"{len(done.removed)} gone: {few(done.removed)}" if done.removed else ""]
+    what = "; ".join(c for c in changes if c) or "the same keys"
+    print(f"{args.file}: reindexed, {len(done.keys)} keys ({what}), new checksums, in "
+          f"{time.perf_counter() - t0:.1f} s")
+    return _EXIT_OK
+
+
 def _check_convert(args: argparse.Namespace) -> None:
     """Usage errors of ``convert`` found from the arguments alone."""
     try:
@@ -336,6 +354,48 @@ def _check_convert(args: argparse.Namespace) -> None:
     if args.select and kinds[0] == "torch":
         raise _UsageError(f"--select applies to an .h5 or .safetensors source, not {args.src}: convert it whole to .h5, "
                           "then select from that")
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with floats that JSON cannot hold (nan, inf) as the strings ``"nan"``, ``"inf"``."""
+    if isinstance(value, float) and value != value:
+        return "nan"
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return "inf" if value > 0 else "-inf"
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+_EXIT_DIFFERENT, _EXIT_DIFF_ERROR = 1, 2  # diff exits as cmp and diff do: 0 equal, 1 different, 2 trouble
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    """Compare two checkpoints key by key: 0 when every key is equal, 1 when any differs."""
+    from .reading.compare import diff
+
+    result = diff(args.a, args.b, args.select, progress=args.progress, verify=args.verify, opener=_open)
+    if args.json:
+        json.dump(_json_safe({"a": result.a, "b": result.b, "equal": result.equal, "counts": result.counts(),
+                              "rows": list(result)}), sys.stdout, indent=1, ensure_ascii=False)
+        print()
+    else:
+        print(result.text(all=args.all))
+    return _EXIT_OK if result.equal else _EXIT_DIFFERENT
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from .reading.compare import stats
+
+    result = stats(args.file, args.select, progress=args.progress, verify=args.verify, opener=_open)
+    if args.json:
+        json.dump(_json_safe({"file": result.source, "rows": list(result)}), sys.stdout, indent=1, ensure_ascii=False)
+        print()
+    else:
+        print(result.text())
+    return _EXIT_OK
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -436,10 +496,51 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("bench", help="benchmark against the machine's limits and the peers (see bench/README.md)")
     s.loader = _bench_arguments
     s.set_defaults(func=cmd_bench)
+    s = sub.add_parser("diff", help="compare two checkpoints key by key (exit 0: equal, 1: different, 2: error)",
+                       description="Compare two checkpoints key by key, streaming (a few tensors in memory, never a "
+                                   "checkpoint): files, checkpoint directories, Hugging Face shards, URLs or "
+                                   ".safetensors files. Prints the keys that differ with their status (changed, dtype, "
+                                   "shape, only_a, only_b), the largest |b - a|, the relative change ||b - a|| / ||a|| "
+                                   "(float64 sums) and the number of elements that differ.",
+                       epilog="Exit status: 0 when every key is in both and bitwise equal, 1 when anything differs, "
+                              "2 on an error (as cmp and diff; other commands exit 1 on an error).")
+    s.add_argument("a")
+    s.add_argument("b")
+    s.add_argument("--select", action="append", metavar="GLOB", help="glob or key to compare (repeatable)")
+    s.add_argument("--all", action="store_true", help="list the keys that are equal too")
+    s.add_argument("--json", action="store_true", help="one JSON object: a, b, equal, counts per status, and a row per "
+                                                      "key (nan and inf as strings)")
+    s.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
+                   help="check the stored checksums of every block read too (default: of tensors read whole)")
+    _progress_argument(s)
+    s.set_defaults(func=cmd_diff, error_status=_EXIT_DIFF_ERROR)
+    s = sub.add_parser("stats", help="mean, std, min, max and nan/inf/zero counts of each tensor",
+                       description="Per-tensor statistics, streaming, in float64: mean and std (Bessel-corrected) of "
+                                   "the finite elements, min and max of those not nan, and counts of nan, inf and "
+                                   "zeros.")
+    s.add_argument("file")
+    s.add_argument("--select", action="append", metavar="GLOB", help="glob or key (repeatable)")
+    s.add_argument("--json", action="store_true", help="one JSON object: file, and a row per tensor (nan and inf as "
+                                                      "strings)")
+    s.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
+                   help="check the stored checksums of every block read too (default: of tensors read whole)")
+    _progress_argument(s)
+    s.set_defaults(func=cmd_stats)
     s = sub.add_parser("verify", help="read every byte and check the structure")
     s.add_argument("file")
     _progress_argument(s)
     s.set_defaults(func=cmd_verify)
+    s = sub.add_parser("reindex", help="adopt changes made with h5py or h5repack: rebuild the layout from the HDF5 part",
+                       description="Rewrite FILE (beside itself, then renamed over it, as a save) from what its HDF5 "
+                                   "part holds now, after an edit with h5py (values written, datasets renamed, added "
+                                   "or deleted) or h5repack: afterwards loads return what h5py reads, with new "
+                                   "checksums. Plain values, container types and user metadata of the old layout "
+                                   "are kept where their group still exists.")
+    s.add_argument("file")
+    s.add_argument("--compression", choices=("keep", "none", *PRESET_NAMES), default="keep",
+                   help="keep: each dataset compressed as it was (default); none; or a preset for every tensor")
+    _progress_argument(s)
+    s.set_defaults(func=cmd_reindex)
     return p
 
 
@@ -466,7 +567,8 @@ def _quiet_stdout() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0 ok, 1 error, 2 usage)."""
+    """Run the command line; returns the exit status (0 ok, 1 error, 2 usage; ``diff``: 0 equal, 1
+    different, 2 error or usage)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -483,7 +585,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _EXIT_OK
     except (TensorStoreError, OSError, ValueError) as e:
         print(f"tensorstore-h5: error: {_error_text(e)}", file=sys.stderr)
-        return _EXIT_ERROR
+        return getattr(args, "error_status", _EXIT_ERROR)  # diff: 2
     except KeyboardInterrupt:
         return 130
 

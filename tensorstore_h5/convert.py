@@ -16,7 +16,6 @@ import uuid
 from typing import TYPE_CHECKING, Any, Union
 
 from .errors import FormatError, KeyNotFoundError, TensorStoreError, UnsupportedTypeError, WriteError
-from .format.constants import KEY_PATHS, KEYS_MARKER
 
 if TYPE_CHECKING:
     from .reading.store import Store
@@ -167,6 +166,7 @@ def _key_paths(src: str, keys: list[str]) -> tuple[dict[str, str], list[str]]:
     """The names of a safetensors file marked with :data:`KEYS_MARKER` as key paths:
     ``({path: name}, container paths)``, nesting restored. Raises FormatError naming the file
     and the key for a name that is not a key path, or a key path that is also a container."""
+    from .format.constants import KEY_PATHS, KEYS_MARKER
     from .format.tree import split, unescape
 
     containers: dict[str, None] = {}
@@ -191,6 +191,7 @@ def _from_safetensors(src: str, dst: str, select: Any, progress: bool | None, op
     from safetensors import safe_open
 
     from .reading.select import resolve
+    from .format.constants import KEY_PATHS, KEYS_MARKER
     from .format.tree import escape
     from .writing.writer import Writer, few_links
 
@@ -260,6 +261,7 @@ def _what(entry: Any) -> str:
 def _safetensors_header(store: Store, keys: list[str], metadata: Any) -> tuple[bytes, list[tuple[str, int]]]:
     """The header of the safetensors file holding ``keys`` (checked: tensors of dtypes that
     safetensors holds) and ``[(key, nbytes)]`` in the order of the data."""
+    from .format.constants import KEY_PATHS, KEYS_MARKER
     from .format.layout import TensorEntry
     from .format.tree import escape
 

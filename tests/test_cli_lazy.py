@@ -47,7 +47,7 @@ def test_help_lists_the_commands_and_the_constants_of_the_format() -> None:
 
     assert f"format v{FORMAT_VERSION}" in r.stdout
     r, _ = run_command("convert", "--help")
-    assert "{best,lz4,zstd}" in r.stdout and "--progress, --no-progress" in r.stdout
+    assert "{best,gzip,lz4,zstd}" in r.stdout and "--progress, --no-progress" in r.stdout
 
 
 @pytest.mark.parametrize("args", [("frobnicate",), ("ls",), ("demo", "--layers", "0"), ("demo", "--width", "x"),
@@ -109,5 +109,5 @@ print(json.dumps(out))
 """
     out = json.loads(python(code))
     assert out == {"torch_after_import": False, "dir_has_all": True, "convert_is_function": True,
-                   "load": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], "version": 2, "presets": ["best", "lz4", "zstd"],
+                   "load": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], "version": 2, "presets": ["best", "gzip", "lz4", "zstd"],
                    "transfer": True, "star": True, "missing": "module 'tensorstore_h5' has no attribute 'no_such_name'"}

@@ -116,7 +116,8 @@ def test_golden_file_is_readable_with_plain_h5py() -> None:
 
 @pytest.mark.parametrize("mutate, match", [
     (lambda f: f.attrs.__setitem__(fmt.ATTR_VERSION, 2), "format-2 file without its header"),
-    (lambda f: f.attrs.__setitem__(fmt.ATTR_VERSION, 3), "version 3, which this library does not read"),
+    (lambda f: f.attrs.__setitem__(fmt.ATTR_VERSION, 3), "format-3 file without its header"),
+    (lambda f: f.attrs.__setitem__(fmt.ATTR_VERSION, 4), "version 4, which this library does not read"),
     (lambda f: f.attrs.__setitem__(fmt.ATTR_VERSION, "one"), "damaged root attribute"),
     (lambda f: f.attrs.__setitem__(fmt.ATTR_FORMAT, "other"), "expected 'tensorstore_h5'"),
     (lambda f: f.attrs.__delitem__(fmt.ATTR_FORMAT), "expected 'tensorstore_h5'"),

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 import tensorstore_h5 as th5
 from tensorstore_h5 import cli
-from tensorstore_h5.convert import KEY_PATHS, KEYS_MARKER
+from tensorstore_h5.format.constants import KEY_PATHS, KEYS_MARKER
 from tensorstore_h5.reading.store import TensorHandle
 
 from helpers import assert_same, random_tensor

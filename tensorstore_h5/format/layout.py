@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import operator
+import shlex
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ import numpy as np
 
 from ..errors import FormatError
 from . import checksum, tree
-from .constants import FORMAT_VERSION
+from .constants import DEFLATE_VERSION, FORMAT_VERSION
 from .dtypes import DtypeSpec, spec_for_name
 from .slicing import contiguous_stride, has_gaps, stride_span
 from .tree import Container
@@ -35,8 +36,9 @@ if TYPE_CHECKING:
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "READ_VERSIONS", "ROOT_DATASET", "PACK_GROUP", "LAYOUT_DATASET", "USERBLOCK",
     "HEADER_SIZE", "MAGIC", "HDF5_SIGNATURE", "ALIGNMENT", "ATTR_FORMAT", "ATTR_VERSION", "ATTR_LAYOUT",
-    "ATTR_METADATA", "ATTR_TORCH_DTYPE", "ATTR_STRIDE", "FILTERS", "BITSHUFFLE_ID", "BLOSC2_ID", "Header",
-    "pack_header", "parse_header", "Contiguous", "Chunked", "Extent", "Container", "TensorSizes", "TensorEntry",
+    "ATTR_METADATA", "ATTR_TORCH_DTYPE", "ATTR_STRIDE", "FILTERS", "BITSHUFFLE_ID", "BLOSC2_ID", "DEFLATE_ID",
+    "SHUFFLE_ID", "FILTER_NAMES", "DEFLATE_VERSION", "filters_of", "version_for", "Header",
+    "pack_header", "parse_header", "changed_error", "Contiguous", "Chunked", "Extent", "Container", "TensorSizes", "TensorEntry",
     "ArrayEntry", "ValueEntry", "ForeignEntry", "Entry", "Layout", "parse_layout", "parse_layout_v2", "read_layout_v1",
     "layout_text", "write_root_attrs", "write_dataset_attrs", "check_metadata", "contiguous_stride", "stride_span",
     "has_gaps", "claims_format", "decode_lines", "READ_AHEAD_MIN", "READ_AHEAD_MAX", "key_structure", "key_json",
@@ -44,8 +46,9 @@ __all__ = [
 ]
 
 FORMAT_NAME = "tensorstore_h5"
-READ_VERSIONS = (1, 2)
-"""The versions this library reads; readers refuse any other."""
+READ_VERSIONS = (1, 2, 3)
+"""The versions this library reads; readers refuse any other. Versions 2 and 3 have the header
+and the layout text; 3 differs from 2 only in allowing the filter :data:`DEFLATE_ID`."""
 
 ROOT_DATASET = "data"
 """Dataset name used when the saved object itself is a tensor or array (no root dict)."""
@@ -72,7 +75,30 @@ ATTR_STRIDE = "stride"
 BITSHUFFLE_ID = 32008
 BLOSC2_ID = 32026
 FILTERS = {BITSHUFFLE_ID: "bitshuffle", BLOSC2_ID: "blosc2"}
-"""The filters a file of this format may use (one per dataset), by HDF5 filter id."""
+"""The filters a version-2 file may use (one per dataset), by HDF5 filter id; also the only
+ones that tensorstore_h5 decodes itself in format-1 and foreign files (a dataset of one filter)."""
+DEFLATE_ID = 1
+SHUFFLE_ID = 2
+FILTER_NAMES = {**FILTERS, DEFLATE_ID: "shuffle+deflate"}
+"""Version 3 adds the layout filter 1: HDF5's pipeline of shuffle (2) then deflate (1), the
+``"gzip"`` preset, which every HDF5 build decodes. In format-1 and foreign files HDF5's own
+deflate / shuffle stay HDF5's to decode (a deflate alone is not this pipeline)."""
+
+
+def filters_of(version: int) -> dict[int, str]:
+    """The layout filters a file of format ``version`` may use (FORMAT.md, the filter table)."""
+    return FILTER_NAMES if version >= DEFLATE_VERSION else FILTERS
+
+
+def version_for(entries: Iterable[Any]) -> int:
+    """The format version a writer gives a file of ``entries``: :data:`DEFLATE_VERSION` when
+    one of them has chunks of the filter :data:`DEFLATE_ID`, else :data:`FORMAT_VERSION`, so
+    that a file without them stays a version-2 file that older readers read."""
+    for e in entries:
+        x = getattr(e, "extent", None)
+        if type(x) is Chunked and x.filter_id == DEFLATE_ID and getattr(e, "same_as", None) is None:
+            return DEFLATE_VERSION
+    return FORMAT_VERSION
 
 _HEADER = struct.Struct("<8sIIQQQQQQ")
 _MAX_JSON_DEPTH = 64
@@ -99,11 +125,21 @@ def pack_header(h: Header) -> bytes:
     return body + struct.pack("<Q", checksum.digest(body))
 
 
-def parse_header(data: bytes, file: str, size: int) -> Header:
+def changed_error(file: str, seen: str) -> FormatError:
+    """The error for a format-2 file that another HDF5 tool changed (h5py, h5repack): ``seen``
+    says what shows it (docs/FORMAT.md, "Files changed by other HDF5 tools")."""
+    return FormatError(f"{file}: the file was changed by another HDF5 tool after tensorstore_h5 saved it ({seen}); its "
+                       f"layout no longer describes it. Run `tensorstore-h5 reindex {shlex.quote(file)}` (or th5.reindex) "
+                       "to adopt the changes, or open it as a plain HDF5 file with h5py.")
+
+
+def parse_header(data: bytes, file: str, size: int, hdf5_eof: Callable[[], int | None] | None = None) -> Header:
     """Parse and check the first 64 bytes of a format-2 file of ``size`` bytes.
 
     Raises FormatError for a damaged header, a version this library does not read, a file
-    of another length than recorded, or a layout range outside the file.
+    of another length than recorded, or a layout range outside the file. ``hdf5_eof``, asked
+    only when the length differs, gives the end of file that the HDF5 superblock records:
+    where it is the file's length, another HDF5 tool changed the file (:func:`changed_error`).
     """
     if len(data) < HEADER_SIZE:
         raise FormatError(f"{file}: truncated file: {size} bytes, shorter than the tensorstore_h5 header")
@@ -118,6 +154,8 @@ def parse_header(data: bytes, file: str, size: int) -> Header:
     if hsize != HEADER_SIZE:
         raise FormatError(f"{file}: damaged tensorstore_h5 header (header length {hsize})")
     if length != size:
+        if hdf5_eof is not None and hdf5_eof() == size:
+            raise changed_error(file, f"its length went from {length} to {size} bytes, as its HDF5 superblock records")
         what = "truncated" if size < length else "has bytes appended"
         raise FormatError(f"{file}: the file {what}: {size} bytes, the header records {length}")
     if not USERBLOCK <= offset <= offset + nbytes <= size or nbytes == 0:
@@ -210,10 +248,11 @@ def _chunk_geometry(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: in
     return max(row, 1), max(block, 1), max(1, -(-row // max(block, 1)))
 
 
-def check_chunked(extent: Chunked, file_size: int | None, start: int = USERBLOCK) -> None:
+def check_chunked(extent: Chunked, file_size: int | None, start: int = USERBLOCK, version: int = FORMAT_VERSION) -> None:
     """Check a chunk list, its filter and its ranges (FORMAT.md, "What readers refuse"):
     every chunk inside ``[start, file_size)`` (``file_size`` None skips that), no two chunks'
-    stored bytes overlapping. Raises ValueError saying what is wrong."""
+    stored bytes overlapping, a filter that format ``version`` allows. Raises ValueError
+    saying what is wrong."""
     expected = 1
     for n, c in zip(extent.shape, extent.chunk_shape):
         expected *= -(-n // c)
@@ -239,18 +278,21 @@ def check_chunked(extent: Chunked, file_size: int | None, start: int = USERBLOCK
         for (a0, a1, i), (b0, b1, j) in zip(spans, spans[1:]):
             if b0 < a1:
                 raise ValueError(f"stored chunks {i} ({a0}+{a1 - a0}) and {j} ({b0}+{b1 - b0}) overlap")
-    _check_filter(extent)
+    _check_filter(extent, filters_of(version))
     if extent.hashes is not None and len(extent.hashes) != len(extent.chunks):
         raise ValueError(f"{len(extent.hashes)} chunk hashes for {len(extent.chunks)} chunks")
 
 
-def _check_filter(extent: Chunked) -> None:
+def _check_filter(extent: Chunked, filters: Mapping[int, str]) -> None:
     fid, values = extent.filter_id, extent.filter_values
-    if fid not in FILTERS:
-        raise ValueError(f"filter {fid} is not one this format allows ({', '.join(f'{k} {v}' for k, v in FILTERS.items())})")
+    if fid not in filters:
+        raise ValueError(f"filter {fid} is not one this format allows ({', '.join(f'{k} {v}' for k, v in filters.items())})")
     if any(type(v) is not int or not 0 <= v < 2**32 for v in values):
         raise ValueError(f"invalid filter values {list(values)}")
-    if fid == BITSHUFFLE_ID:
+    if fid == DEFLATE_ID:
+        if len(values) != 1 or values[0] > 9:
+            raise ValueError(f"deflate values {list(values)}: one level, 0-9")
+    elif fid == BITSHUFFLE_ID:
         if len(values) < 5 or values[4] not in (2, 3) or values[2] != extent.itemsize:
             raise ValueError(f"bitshuffle values {list(values)}: only LZ4/Zstd of the dataset's element size")
     else:
@@ -768,7 +810,7 @@ def layout_text(entries: Iterable[Entry], metadata: Mapping[str, Any], hash_bloc
         lines.append(line if line is not None else _dumps(entry_json(e, parent_type)))
         if isinstance(e, Container):
             types[e.path] = e.type
-    head = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "metadata": dict(metadata), "hash_block": hash_block,
+    head = {"format": FORMAT_NAME, "version": version_for(entries), "metadata": dict(metadata), "hash_block": hash_block,
             "paths": [e.path for e in entries], "types": [_type_name(e) for e in entries]}
     return "\n".join([_dumps(head), *lines]).encode("ascii")
 
@@ -788,10 +830,10 @@ def check_metadata(metadata: Mapping[str, Any]) -> str:
         raise TypeError(f"metadata must be JSON-serialisable (str keys; no NaN): {e}") from e
 
 
-def root_attrs() -> list[tuple[str, np.ndarray]]:
-    """The root attributes of a format-2 file, for readers that do not read the header:
+def root_attrs(version: int = FORMAT_VERSION) -> list[tuple[str, np.ndarray]]:
+    """The root attributes of a format-2 (or 3) file, for readers that do not read the header:
     fixed-length strings and integers only (no global heap, so the metadata is checksummed)."""
-    return [(ATTR_FORMAT, np.bytes_(FORMAT_NAME)), (ATTR_VERSION, np.int64(FORMAT_VERSION))]
+    return [(ATTR_FORMAT, np.bytes_(FORMAT_NAME)), (ATTR_VERSION, np.int64(version))]
 
 
 def dataset_attrs(entry: TensorEntry) -> list[tuple[str, np.ndarray]]:
@@ -805,9 +847,9 @@ def dataset_attrs(entry: TensorEntry) -> list[tuple[str, np.ndarray]]:
     return attrs
 
 
-def write_root_attrs(f: h5py.File) -> None:
+def write_root_attrs(f: h5py.File, version: int = FORMAT_VERSION) -> None:
     """Write :func:`root_attrs` through libhdf5."""
-    for name, value in root_attrs():
+    for name, value in root_attrs(version):
         f.attrs.create(name, value)
 
 
@@ -831,9 +873,11 @@ def claims_format(attr_names: Iterable[str]) -> bool:
 # ---------------------------------------------------------------------------- reading (format 2)
 
 
-def parse_layout_v2(text: bytes, file: str, file_size: int, layout_at: int | None = None) -> Layout:
-    """Parse the format-2 layout text of ``file`` (``file_size`` bytes), stored at file offset
-    ``layout_at`` (given, no entry's bytes may overlap it). Raises FormatError."""
+def parse_layout_v2(text: bytes, file: str, file_size: int, layout_at: int | None = None,
+                    version: int | None = None) -> Layout:
+    """Parse the format-2 or 3 layout text of ``file`` (``file_size`` bytes), stored at file
+    offset ``layout_at`` (given, no entry's bytes may overlap it), whose header says format
+    ``version`` (given, the head must say the same). Raises FormatError."""
     lines = text.split(b"\n")
     try:
         head = json.loads(lines[0])
@@ -841,7 +885,8 @@ def parse_layout_v2(text: bytes, file: str, file_size: int, layout_at: int | Non
         raise FormatError(f"{file}: damaged layout (head is not valid JSON): {e}") from e
     if type(head) is not dict or set(head) != {"format", "version", "metadata", "hash_block", "paths", "types"}:
         raise FormatError(f"{file}: damaged layout head (fields {sorted(head) if type(head) is dict else type(head).__name__})")
-    if head["format"] != FORMAT_NAME or head["version"] != 2:
+    if head["format"] != FORMAT_NAME or type(head["version"]) is not int or head["version"] not in (2, DEFLATE_VERSION) \
+            or (version is not None and head["version"] != version):
         raise FormatError(f"{file}: damaged layout head (format {head['format']!r}, version {head['version']!r})")
     paths, kinds, block = head["paths"], head["types"], head["hash_block"]
     if type(head["metadata"]) is not dict:
@@ -854,7 +899,7 @@ def parse_layout_v2(text: bytes, file: str, file_size: int, layout_at: int | Non
                           f"{len(paths) if type(paths) is list else '?'} paths and "
                           f"{len(kinds) if type(kinds) is list else '?'} types")
     span = None if layout_at is None else (layout_at, layout_at + len(text))
-    return Layout(file, 2, head["metadata"], v2=(paths, [k if type(k) is str else repr(k) for k in kinds],
+    return Layout(file, head["version"], head["metadata"], v2=(paths, [k if type(k) is str else repr(k) for k in kinds],
                                                      lines[1:], block, file_size), layout_span=span)
 
 
@@ -969,7 +1014,7 @@ def _parse_extent(item: dict[str, Any], shape: tuple[int, ...], itemsize: int, l
         raise ValueError("invalid chunk list")
     extent = Chunked(shape, itemsize, parse_ints(c["shape"], "chunk shape", minimum=1), filt[0], tuple(filt[1]),
                      tuple((a[0], a[1], len(a) == 3) for a in at), parsed)
-    check_chunked(extent, size)
+    check_chunked(extent, size, version=layout.version or FORMAT_VERSION)
     return extent
 
 
@@ -993,8 +1038,9 @@ def read_layout_v1(attrs: Callable[[str], Any], file: str) -> Layout:
     version = attrs(ATTR_VERSION)
     if not isinstance(version, (int, np.integer)) or isinstance(version, (bool, np.bool_)):
         raise FormatError(f"{file}: damaged root attribute {ATTR_VERSION!r}: {version!r}")
-    if int(version) == 2:
-        raise FormatError(f"{file}: a format-2 file without its header (damaged, or its first 4096 bytes replaced)")
+    if int(version) in (2, DEFLATE_VERSION):
+        raise FormatError(f"{file}: a format-{int(version)} file without its header (damaged, or its first 4096 bytes "
+                          "replaced)")
     if int(version) not in READ_VERSIONS:
         raise FormatError(
             f"{file}: written in tensorstore_h5 format version {int(version)}, which this library does not read "

@@ -242,11 +242,14 @@ class Store:
         """The layout of the file ``raw`` reads, and its h5py file (None for format 2)."""
         head = raw.head(fmt.HEADER_SIZE)
         if head[:8] == fmt.MAGIC:
-            header = fmt.parse_header(head, self.path, raw.size)
+            header = fmt.parse_header(head, self.path, raw.size, hdf5_eof=lambda: libhdf5.superblock_eof(raw))
             text = raw.read(header.layout_offset, header.layout_length)
             if checksum.digest(text) != header.layout_hash:
                 raise FormatError(f"{self.path}: damaged layout (checksum mismatch)")
-            return fmt.parse_layout_v2(text, self.path, raw.size, header.layout_offset), None
+            layout = fmt.parse_layout_v2(text, self.path, raw.size, header.layout_offset, version=header.version)
+            if isinstance(raw, files.RawFile):  # before any entry is used, the HDF5 links are compared with it
+                libhdf5.check_links_first(layout, raw)
+            return layout, None
         other = _other_format(head)
         if other:
             what, suffix = other
@@ -372,6 +375,13 @@ class Store:
         """Bytes of tensor and array data that ``select`` picks (tied tensors counted once)."""
         included = resolve(select, self._leaf_paths, self._container_paths, self.path)
         return sum(data_bytes(e) for e in self._layout.select(included) if not isinstance(e, Container))
+
+    def stats(self, select: Selector = None, **options: Any) -> Any:
+        """Per-tensor ``mean``, ``std``, ``min``, ``max``, ``nan``, ``inf``, ``zeros``, streaming
+        (:func:`tensorstore_h5.reading.compare.stats`)."""
+        from .compare import stats
+
+        return stats(self, select, **options)
 
     def selected_keys(self, select: Selector = None) -> list[str]:
         """The leaf key paths that ``select`` picks, in saved order (see :meth:`load`)."""

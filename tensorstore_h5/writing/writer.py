@@ -28,6 +28,7 @@ import h5py
 import numpy as np
 import torch
 
+from ..codecs import presets
 from ..codecs.presets import Compression, resolve_compression
 from ..display import Progress
 from ..errors import TensorStoreError, UnsupportedTypeError, WriteError
@@ -389,7 +390,7 @@ class Writer:
                         offset = self._finish_metadata(text)
                 else:
                     assert self._file is not None
-                    fmt.write_root_attrs(self._file)
+                    fmt.write_root_attrs(self._file, fmt.version_for(self._entries))
                     dsid = h5py.h5d.create(self._file.id, fmt.LAYOUT_DATASET.encode(), h5py.h5t.STD_U8LE,
                                            h5py.h5s.create_simple((len(text),)), dcpl=hdf5meta.contiguous_dcpl())
                     dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, np.frombuffer(text, dtype=np.uint8))
@@ -399,7 +400,7 @@ class Writer:
             except OSError as e:
                 raise self._failed("", e) from e
             size = os.fstat(self._fd).st_size
-            header = fmt.Header(fmt.FORMAT_VERSION, size, offset, len(text), checksum.digest(text))
+            header = fmt.Header(fmt.version_for(self._entries), size, offset, len(text), checksum.digest(text))
             os.pwrite(self._fd, fmt.pack_header(header), 0)
             if self._sync:
                 os.fsync(self._fd)
@@ -675,17 +676,20 @@ class Writer:
                 hashes = tuple(hasher.finish())
             return dsid, Contiguous(offset, nbytes, hashes)
         chunk = tuple(int(c) for c in dcpl.get_chunk())
-        probe = Chunked(shape, itemsize, chunk, fmt.BLOSC2_ID, (), ())  # geometry only
-        ends, acc = [], 0
-        grid = math.prod(-(-n // c) for n, c in zip(shape, chunk))
-        for k in range(grid):
-            acc += probe.span(k)[1]
-            ends.append(acc)
-        hasher = checksum.BlockHasher(ends)
-        libhdf5.write_tensor(dsid, h5type, t, on_bytes=hasher.update)
-        hashes = tuple(hasher.finish())
+        level = presets.gzip_pipeline(dcpl)
+        if level is not None:  # HDF5's shuffle + deflate: encoded on the I/O threads (zlib releases the GIL)
+            hashes = presets.write_gzip_chunks(dsid, t, chunk, itemsize, level)
+        else:
+            probe = Chunked(shape, itemsize, chunk, fmt.BLOSC2_ID, (), ())  # geometry only
+            ends, acc = [], 0
+            grid = math.prod(-(-n // c) for n, c in zip(shape, chunk))
+            for k in range(grid):
+                acc += probe.span(k)[1]
+                ends.append(acc)
+            hasher = checksum.BlockHasher(ends)
+            libhdf5.write_tensor(dsid, h5type, t, on_bytes=hasher.update)
+            hashes = tuple(hasher.finish())
         dsid.flush()
-        code, _flags, values, _name = dcpl.get_filter(0)
         found: dict[int, tuple[int, int, bool]] = {}
         strides = [1] * len(shape)
         grid_shape = [-(-n // c) for n, c in zip(shape, chunk)]
@@ -697,10 +701,9 @@ class Writer:
             found[k] = (int(info.byte_offset), int(info.size), info.filter_mask != 0)
 
         dsid.chunk_iter(visit)
-        final = dsid.get_create_plist().get_filter(0)  # after HDF5's set_local filled in the values
-        extent = Chunked(shape, itemsize, chunk, int(code), tuple(int(v) for v in final[2]),
-                         tuple(found[k] for k in sorted(found)), hashes)
-        fmt.check_chunked(extent, None)
+        code, values = presets.layout_filter(dsid.get_create_plist())  # after HDF5's set_local filled in the values
+        extent = Chunked(shape, itemsize, chunk, code, values, tuple(found[k] for k in sorted(found)), hashes)
+        fmt.check_chunked(extent, None, version=fmt.DEFLATE_VERSION)
         return dsid, extent
 
     def _write_bytes(self, t: torch.Tensor, at: int, nbytes: int) -> tuple[int, ...]:

@@ -133,7 +133,7 @@ def test_the_fuzzer_runs_last() -> None:
     fuzz = [i for i, line in enumerate(ids) if line.startswith("tests/hostile/test_fuzz.py::")]
     assert fuzz and ids[0].startswith("tests/test_tree.py::"), ids[:3]
     assert fuzz == list(range(len(ids) - len(fuzz), len(ids))), ids[-4:]
-    assert "tests/hostile/test_fuzz.py::test_fuzz_for_a_bounded_time" in ids
+    assert any(i.startswith("tests/hostile/test_fuzz.py::test_fuzz_for_a_bounded_time") for i in ids)  # (one per surface)
 
 
 # ---------------------------------------------------------------------------- D. servers that cannot be reached

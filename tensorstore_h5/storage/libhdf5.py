@@ -659,14 +659,7 @@ class _Links:
         info = None
         for kind, data, start, end in self.header(addr):
             if kind == _LINK:
-                if data[start] == 1 and not data[start + 1] & 0x0F:  # the common form: hard, a name of < 256 bytes
-                    q = start + 3 + (data[start + 1] >> 4 & 1)
-                    stop = q + data[q - 1]
-                    if stop + 8 > end:
-                        raise _Unparsed("a link message runs past its end")
-                    append((data[q:stop].decode("utf-8", "replace"), int.from_bytes(data[stop:stop + 8], "little")))
-                else:
-                    append(_link(data, start, end))
+                append(_any_link(data, start, end))
             elif kind == _LINK_INFO:
                 info = data[start:end]
             elif kind == _SYMBOL_TABLE:
@@ -710,15 +703,20 @@ class _Links:
             hi = lo + int.from_bytes(rid[o:n], "little")
             if hi > len(data):
                 raise _Unparsed("a heap ID outside its heap")
-            if data[lo] == 1 and not data[lo + 1] & 0x0F:  # the common form, as in group()
-                q = lo + 3 + (data[lo + 1] >> 4 & 1)
-                stop = q + data[q - 1]
-                if stop + 8 > hi:
-                    raise _Unparsed("a link message runs past its end")
-                append((data[q:stop].decode("utf-8", "replace"), int.from_bytes(data[stop:stop + 8], "little")))
-            else:
-                append(_link(data, lo, hi))
+            append(_any_link(data, lo, hi))
         return None, links
+
+
+def _any_link(data: bytes, p: int, end: int) -> tuple[str, int | None]:
+    """``(name, address)`` of the link message in ``data[p:end]``: the common form (hard, a name
+    of < 256 bytes) parsed here, any other by :func:`_link`."""
+    if data[p] == 1 and not data[p + 1] & 0x0F:
+        q = p + 3 + (data[p + 1] >> 4 & 1)
+        stop = q + data[q - 1]
+        if stop + 8 > end:
+            raise _Unparsed("a link message runs past its end")
+        return data[q:stop].decode("utf-8", "replace"), int.from_bytes(data[stop:stop + 8], "little")
+    return _link(data, p, end)
 
 
 def _link(data: bytes, p: int, end: int) -> tuple[str, int | None]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, Union
 
 import torch
@@ -169,6 +171,63 @@ def _alias_groups(targets: dict[str, torch.Tensor], order: list[str]) -> tuple[l
     return sorted(fill, key=rank.__getitem__), problems
 
 
+@contextlib.contextmanager
+def _watching_unfilled(module: torch.nn.Module, lacking: list[str], left: list[str]) -> Iterator[None]:
+    """While ``module.load_state_dict`` runs, append to ``left`` each of the ``lacking`` keys
+    (state-dict names the file has no tensor for) whose module, after its own conversion of the
+    state dict, is handed its own current tensor back: nothing loaded it. A pre-hook of the
+    base ``Module._load_from_state_dict`` sees the state dict as the subclass converted it."""
+    by_module: dict[str, list[str]] = {}
+    for key in lacking:
+        owner, _, name = key.rpartition(".")
+        by_module.setdefault(owner, []).append(name)
+    handles = []
+
+    def hook(m: torch.nn.Module, state_dict: Mapping[str, Any], prefix: str, *_: Any, names: list[str]) -> None:
+        for n in names:
+            own = m._parameters.get(n, m._buffers.get(n))
+            if own is not None and state_dict.get(prefix + n) is own:
+                left.append(prefix + n)
+
+    try:
+        for owner, names in by_module.items():
+            try:
+                sub = module.get_submodule(owner)
+            except AttributeError:
+                continue
+            handles.append(sub.register_load_state_dict_pre_hook(functools.partial(hook, names=names)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _tied_to_loaded(targets: dict[str, torch.Tensor], missing: list[str], loaded: list[str]) -> dict[str, str]:
+    """Of the ``missing`` target keys, those whose tensor is a ``loaded`` target's tensor (the
+    same object, or the same view of the same memory: tied weights such as ``lm_head.weight``
+    of a checkpoint saved without it, as transformers saves tied embeddings), each mapped to
+    that loaded key; loading it fills them."""
+    if not missing:
+        return {}
+    by_view: dict[Any, str] = {}
+    for k in loaded:
+        t = targets[k]
+        by_view.setdefault(id(t), k)
+        if not t.is_meta and t.numel():
+            by_view.setdefault((t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                                tuple(t.stride()), t.dtype), k)
+    out = {}
+    for k in missing:
+        t = targets[k]
+        other = by_view.get(id(t))
+        if other is None and not t.is_meta and t.numel():
+            other = by_view.get((t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                                 tuple(t.stride()), t.dtype))
+        if other is not None:
+            out[k] = other
+    return out
+
+
 def _problem(what: str, keys: list[str]) -> list[str]:
     return [f"{what}: {few(keys)}"] if keys else []
 
@@ -252,7 +311,9 @@ def load_into(
     - A stored tensor of another dtype is cast into the target, as ``copy_`` does (unless
       ``strict_dtype``); shapes must match.
     - Targets that are one tensor (tied weights) are filled once, from the last of their
-      keys in file order; targets that share memory otherwise are refused.
+      keys in file order; a file may hold only one of their keys (transformers saves tied
+      embeddings without ``lm_head.weight``), which loads strictly. Targets that share
+      memory otherwise are refused.
     - Targets on the meta device (``init_empty_weights``) need ``assign=True``, which
       replaces every loaded parameter and buffer by a new tensor read from the file, as
       ``load_state_dict(assign=True)`` does (``nn.Parameter`` and ``requires_grad`` of the
@@ -277,7 +338,10 @@ def load_into(
         storage_options: for a URL ``path``, passed to fsspec.
 
     Returns:
-        LoadResult(missing_keys, unexpected_keys), target-side and file-side key paths, and
+        LoadResult(missing_keys, unexpected_keys), target-side and file-side key paths
+        (``missing_keys``: every target key the file lacks, but tied ones it fills; also those
+        a module's own loader accepts missing, such as BatchNorm's ``num_batches_tracked`` in
+        a file saved without module versions, which stay as they were), and
         its ``meta_keys``: the target's parameters and buffers (persistent or not) still on the
         meta device afterwards, which the file had nothing for (with ``strict=False``, or
         non-persistent buffers such as ``position_ids``); a :class:`TensorStoreWarning`
@@ -325,6 +389,8 @@ def _load_into(target: Any, path: PathLike, select: Selector, prefix: str, stric
         file_keys = [k for k in all_keys if k.startswith(prefix)]
         stored = {k[len(prefix):]: k for k in file_keys}
         missing = [k for k in targets if k not in stored]
+        tied = _tied_to_loaded(targets, missing, [k for k in targets if k in stored])
+        missing = [k for k in missing if k not in tied]  # filled through the tensor they are (tied weights)
         unexpected = [stored[k] for k in stored if k not in targets]
         holder = store._layout.entry(prefix[:-1] if prefix.endswith("/") else prefix)
         versions = holder.module_metadata if isinstance(holder, Container) else None
@@ -367,19 +433,32 @@ def _load_into(target: Any, path: PathLike, select: Selector, prefix: str, stric
             for key, value in store.items(select=file_keys, device=place, verify=verify):
                 rel = key[len(prefix):]
                 sd[names.get(rel, rel)] = value
+            for k, other in tied.items():  # the module's loader wants every key; the tensor is the same
+                if names.get(other, other) in sd:
+                    sd[names.get(k, k)] = sd[names.get(other, other)]
             if versions is not None:
                 sd._metadata = OrderedDict((p, dict(v)) for p, v in versions.items())  # type: ignore[attr-defined]
-            try:
-                result = module.load_state_dict(sd, strict=strict, assign=assign)
-            except RuntimeError as e:
-                raise MismatchError(f"{store.path}: load_state_dict refused the checkpoint: {str(e).rstrip()}{hint}") from e
-            return LoadResult([tree.escape(k) for k in result.missing_keys],
-                              [prefix + tree.escape(k) for k in result.unexpected_keys])
+            left: list[str] = []
+            with _watching_unfilled(module, [names.get(k, k) for k in missing], left):
+                try:
+                    result = module.load_state_dict(sd, strict=strict, assign=assign)
+                except RuntimeError as e:
+                    raise MismatchError(f"{store.path}: load_state_dict refused the checkpoint: "
+                                        f"{str(e).rstrip()}{hint}") from e
+            # what the file lacks and nothing filled, also where a module's loader accepted the absence and put the
+            # target's own tensor back (BatchNorm's num_batches_tracked in a file without versions), as a direct
+            # load reports it; a tensor a converter made from other keys (an old version's names) is filled
+            lacking = {tree.escape(k) for k in [*result.missing_keys, *left]}
+            return LoadResult([k for k in targets if k in lacking], [prefix + tree.escape(k) for k in result.unexpected_keys])
         if assign:  # every new tensor read (and checked) before any slot changes
             loaded = list(store.items(select=[stored[k] for k in order], device=place, verify=verify))
             for key, value in loaded:
                 container, k = slots[key[len(prefix):]]
                 container[k] = value
+            for k, other in tied.items():  # still one tensor, as before
+                container, name = slots[k]
+                source, source_name = slots[other]
+                container[name] = source[source_name]
             return LoadResult(missing, unexpected)
         store._read_into([(store._entry(stored[k]), targets[k]) for k in fill], progress, verify)
     return LoadResult(missing, unexpected)

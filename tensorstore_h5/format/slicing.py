@@ -57,8 +57,9 @@ class Selection:
 def select(index: Any, shape: tuple[int, ...]) -> Selection:
     """The selection of ``index`` on a dataset of ``shape``.
 
-    Supports integers (negative counts from the end), slices with a positive step, and one
-    Ellipsis. Raises IndexError for anything else or out-of-range integers.
+    Supports integers (negative counts from the end), slices with a positive step, one
+    Ellipsis, and empty index lists (``[]``: none of that dimension). Raises IndexError for
+    anything else (lists of indices among them) or out-of-range integers.
     """
     if index is Ellipsis or (type(index) is tuple and not index):
         return whole(shape)
@@ -86,6 +87,11 @@ def select(index: Any, shape: tuple[int, ...]) -> Selection:
             count.append(c)
             step.append(s)
             out.append(c)
+        elif _empty_indices(it):  # h[[]]: no index of this dimension, as torch and numpy read it
+            start.append(0)
+            count.append(0)
+            step.append(1)
+            out.append(0)
         else:
             try:
                 i = operator.index(it)
@@ -99,6 +105,16 @@ def select(index: Any, shape: tuple[int, ...]) -> Selection:
             count.append(1)
             step.append(1)
     return Selection(tuple(shape), tuple(start), tuple(count), tuple(step), tuple(out))
+
+
+def _empty_indices(it: Any) -> bool:
+    """True for an empty list of indices: ``[]``, or an empty 1-d integer or bool numpy array
+    or tensor (duck-typed: no import of either here)."""
+    if type(it) is list:
+        return not it
+    shape = getattr(it, "shape", None)
+    dtype = str(getattr(it, "dtype", ""))
+    return shape is not None and tuple(shape) == (0,) and ("int" in dtype or "bool" in dtype)
 
 
 def whole(shape: tuple[int, ...]) -> Selection:

@@ -21,9 +21,14 @@ import torch
 from ..errors import UnsupportedTypeError
 
 __all__ = [
-    "escape", "unescape", "join", "split", "name_for_key", "encode_value", "decode_value",
+    "escape", "unescape", "join", "split", "name_for_key", "MAX_NAME_BYTES", "encode_value", "decode_value",
     "Leaf", "Container", "flatten", "inflate", "CONTAINER_TYPES",
 ]
+
+MAX_NAME_BYTES = 65_522
+"""The longest link name (UTF-8 bytes of one escaped key) written: the most that fits one HDF5
+link message (2-byte message size, 13 bytes of it not the name). libhdf5 keeps longer names
+only as "huge" objects of a group's fractal heap, which this library does not write."""
 
 EMPTY_NAME = "%"
 """Link name of the empty-string key (a lone ``%`` is never produced otherwise)."""
@@ -81,9 +86,19 @@ def split(path: str) -> list[str]:
 
 
 def name_for_key(key: Any, path: str) -> str:
-    """The link name of a dict key: escaped ``str`` keys; ``str()`` of int, float, bool, None."""
+    """The link name of a dict key: escaped ``str`` keys; ``str()`` of int, float, bool, None.
+
+    Raises UnsupportedTypeError naming ``path`` for other key types and for names longer than
+    :data:`MAX_NAME_BYTES`."""
     if type(key) is str:
-        return escape(key)
+        name = escape(key)
+        if len(name) > MAX_NAME_BYTES // 4 and len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+            raise UnsupportedTypeError(
+                f"dict key {key[:40]!r}... under key path {path!r} is {len(key):,} characters long "
+                f"({len(name.encode('utf-8', 'surrogatepass')):,} bytes as an HDF5 link name); HDF5 link names written "
+                f"here hold at most {MAX_NAME_BYTES:,} bytes: shorten the key"
+            )
+        return name
     if type(key) is int:
         return str(key)  # digits and "-": nothing to escape
     if key is None or type(key) in (float, bool):

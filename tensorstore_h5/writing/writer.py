@@ -84,6 +84,19 @@ def _lcpl() -> h5py.h5p.PropLCID:
     return lcpl
 
 
+MAX_DIMS = 32
+"""The most dimensions a stored tensor or array has: HDF5's own limit (``H5S_MAX_RANK``); no
+HDF5 reader opens a dataspace of more."""
+
+
+def _too_many_dims(ndim: int, what: str, path: str) -> None:
+    if ndim > MAX_DIMS:
+        raise UnsupportedTypeError(
+            f"{what} at key path {path!r} has {ndim} dimensions; HDF5 datasets have at most {MAX_DIMS} (no HDF5 "
+            "reader would open the file): reshape it before saving and back after loading"
+        )
+
+
 def _plain(t: torch.Tensor, path: str) -> torch.Tensor:
     """``t`` as a plain strided tensor with data, or UnsupportedTypeError naming the key.
 
@@ -110,6 +123,7 @@ def _plain(t: torch.Tensor, path: str) -> torch.Tensor:
         raise UnsupportedTypeError(f"tensor at key path {path!r} ({kind}) has no data (a meta or nested tensor)")
     if t._is_zerotensor():
         raise UnsupportedTypeError(f"tensor at key path {path!r} is a zero tensor (no storage); store torch.zeros(...) instead")
+    _too_many_dims(t.dim(), "tensor", path)
     spec_for_torch(t.dtype, path)
     try:
         t.untyped_storage()
@@ -119,9 +133,27 @@ def _plain(t: torch.Tensor, path: str) -> torch.Tensor:
 
 
 def _check_array(a: np.ndarray, path: str) -> None:
+    _too_many_dims(a.ndim, "numpy array", path)
     if a.dtype.kind not in "biufc" or a.dtype.fields is not None or a.dtype in (np.longdouble, np.clongdouble):
         raise UnsupportedTypeError(
             f"numpy array at key path {path!r} has dtype {a.dtype}; only bool, integer, float and complex arrays are stored"
+        )
+
+
+_TORCH_MARKS = frozenset({"persistent", "_is_buffer", "_is_param"})  # torch's own marks (Buffer; Parameter of a subclass)
+
+
+def _python_attributes(t: torch.Tensor, path: str) -> None:
+    """Refuse a tensor that carries Python attributes (``t.foo = ...``, which ``torch.save``
+    keeps): the format stores tensors' values, and dropping the attributes without a word
+    would lose what the caller put there."""
+    names = t.__dict__.keys() - _TORCH_MARKS  # torch.nn.Buffer(t) returns a plain tensor marked so
+    if names:
+        shown = ", ".join(sorted(map(repr, names))[:5]) + (", ..." if len(names) > 5 else "")
+        raise UnsupportedTypeError(
+            f"tensor at key path {path!r} has Python attributes ({shown}), which tensorstore_h5 does not store; "
+            "save t.detach() (a tensor without them, as model.state_dict() gives) and keep the attributes "
+            "elsewhere, e.g. as plain values beside it"
         )
 
 
@@ -129,6 +161,8 @@ def _check_leaf(value: Any, path: str) -> None:
     """Raise UnsupportedTypeError naming ``path`` unless ``value`` is a storable leaf."""
     if isinstance(value, torch.Tensor):
         _plain(value, path)
+        if value.__dict__:
+            _python_attributes(value, path)
     elif isinstance(value, np.ndarray):
         _check_array(value, path)
     else:

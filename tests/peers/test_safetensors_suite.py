@@ -847,9 +847,8 @@ def test_workaround(tmp_path) -> None:
 def test_workaround_works_with_different_on_file_names(tmp_path) -> None:
     """safetensors bindings/python/tests/test_pt_model.py::TorchModelTestCase::test_workaround_works_with_different_on_file_names:
     a file holding only ``b.*`` of a tied model. safetensors' ``load_model`` accepts it (it
-    knows ``a.*`` is ``b.*``). tensorstore_h5, like ``load_state_dict``, is strict by
-    default: MismatchError naming the missing ``a.*`` keys, nothing changed; with
-    ``strict=False`` the tied tensors are filled from ``b.*`` and ``a.*`` are reported missing."""
+    knows ``a.*`` is ``b.*``); so does tensorstore_h5's strict ``load_into``: a missing key
+    whose target is a loaded target's tensor is filled through it, and not reported missing."""
     model = Model()
     state_dict = model.state_dict()
     state_dict.pop("a.weight")
@@ -858,17 +857,19 @@ def test_workaround_works_with_different_on_file_names(tmp_path) -> None:
     th5.save(state_dict, path)
 
     model2 = Model()
-    before = {k: v.clone() for k, v in model2.state_dict().items()}
-    with pytest.raises(th5.MismatchError, match=r"missing keys: 'a\.weight', 'a\.bias'") as ex:
-        th5.load_into(model2, path)
-    assert str(path) in str(ex.value)
-    for k, v in model2.state_dict().items():
-        assert_same(v, before[k])
-
-    result = th5.load_into(model2, path, strict=False)
-    assert result == th5.LoadResult(["a.weight", "a.bias"], [])
+    assert th5.load_into(model2, path) == th5.LoadResult([], [])
     for k, v in model2.state_dict().items():
         assert_same(v, model.state_dict()[k])
+    assert model2.a.weight is model2.b.weight
+
+    untied = Model()
+    untied.a = torch.nn.Linear(100, 100)  # a is its own module now: its keys are missing
+    before = {k: v.clone() for k, v in untied.state_dict().items()}
+    with pytest.raises(th5.MismatchError, match=r"missing keys: 'a\.weight', 'a\.bias'") as ex:
+        th5.load_into(untied, path)
+    assert str(path) in str(ex.value)
+    for k, v in untied.state_dict().items():
+        assert_same(v, before[k])
 
 
 def test_workaround_non_contiguous(tmp_path) -> None:
@@ -1248,9 +1249,9 @@ def slice_a(tmp_path):
 def test_torch_slice(slice_a) -> None:
     """safetensors bindings/python/tests/test_simple.py::ReadmeTestCase::test_torch_slice:
     handle slices ``[:]``, ``[()]``, ``[:2]``, ``[:, :2]``, ``[0, :2]``, ``[2:, 0]``,
-    ``[2:, 1]``, ``[2:, -1]`` give torch's shapes and values (bitwise). ``[list()]``
-    (an empty list: shape (0, 5) in safetensors) differs: tensorstore_h5 takes integers,
-    slices and ``...`` only and raises IndexError for any list."""
+    ``[2:, 1]``, ``[2:, -1]`` give torch's shapes and values (bitwise); ``[list()]`` (an
+    empty list) is the empty selection, shape (0, 5), as in safetensors and torch. A list of
+    indices is an IndexError (tensorstore_h5 reads regular hyperslabs only)."""
     A, path = slice_a
     with th5.open(path) as store:
         h = store["a"]
@@ -1262,8 +1263,10 @@ def test_torch_slice(slice_a) -> None:
             assert list(got.shape) == shape, index
             assert_same(got, A[index])
             assert got.is_contiguous()
+        assert_same(h[list()], A[list()])
+        assert list(h[list()].shape) == [0, 5]
         with pytest.raises(IndexError, match="list"):
-            h[list()]
+            h[[1, 3]]
 
 
 def test_numpy_slice_errors(slice_a) -> None:
@@ -1614,7 +1617,9 @@ def test_strided_slice_validation(tmp_path) -> None:
     """safetensors bindings/python/tests/test_strided_slice.py::StridedSliceTests (test_invalid_dim,
     test_empty_intervals_list_rejected, test_reversed_interval_rejected,
     test_empty_interval_rejected, test_out_of_range_interval_rejected,
-    test_unknown_tensor_rejected): too many dimensions and lists are IndexErrors; an unknown
+    test_unknown_tensor_rejected): too many dimensions and lists of indices are IndexErrors (an
+    empty list, rejected by safetensors' interval API, is the empty selection, as torch reads
+    ``w[[]]``); an unknown
     key is KeyNotFoundError (a KeyError) naming the file and key, and the closest keys when
     some look alike. Reversed, empty and
     out-of-range intervals, errors in safetensors, follow torch's slicing in tensorstore_h5:
@@ -1627,7 +1632,8 @@ def test_strided_slice_validation(tmp_path) -> None:
         with pytest.raises(IndexError):
             h[(slice(0, 1),) * 5]
         with pytest.raises(IndexError):
-            h[[]]
+            h[[0, 1]]
+        assert_same(h[[]], w[[]])
         assert_same(h[4:2], w[4:2])
         assert_same(h[3:3], w[3:3])
         assert_same(h[0:100], w[0:100])

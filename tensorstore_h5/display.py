@@ -4,7 +4,6 @@ HTML tree of keys that the Jupyter views share, and bar charts as inline SVG (no
 from __future__ import annotations
 
 import hashlib
-import html
 import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -324,6 +323,8 @@ def tree_html(title: str, rows: Iterable[Any], open_limit: int = 50, group_limit
     cells = cells or _store_cells
     columns = tuple(columns or _STORE_COLUMNS)
     root = _build(rows, nest, totals or _StoreTotals)
+    import html
+
     esc = _Memo(html.escape)  # names and descriptions repeat ("weight", "float32 [768]")
     widths = [0.0] * len(columns)
     name_end = 12  # characters from the view's left edge to the end of every name column
@@ -428,6 +429,8 @@ def bar_chart_svg(values: Sequence[float | None], labels: Sequence[str], bands: 
     name fits; ``sections`` are larger runs (a file's top containers), parted by a line and
     named at their top left. More bars than pixels are binned: each bin shows its largest
     value. Text and lines take the page's colour."""
+    import html  # (the text views need it; a fresh open of a file does not)
+
     n = len(values)
     left, right, top, bottom = 46, 8, 18 if title else 6, 30
     pw, ph = width - left - right, height - top - bottom

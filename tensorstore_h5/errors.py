@@ -22,6 +22,7 @@ __all__ = [
     "NotRegularFileError",
     "InvalidPathError",
     "TensorStoreWarning",
+    "RemoteError",
     "NAMED_KEYS",
     "few",
 ]
@@ -97,6 +98,11 @@ class NotRegularFileError(PathError, FormatError):
 
 class InvalidPathError(PathError, ValueError):
     """The path cannot name a file (it holds a NUL character)."""
+
+
+class RemoteError(TensorStoreError, OSError):
+    """A remote object could not be read or written: the message names the URL (raised by
+    ``storage.remote``; defined here so that readers catch it without importing that)."""
 
 
 class TensorStoreWarning(UserWarning):

@@ -15,7 +15,10 @@ from tensorstore_h5.bench import firstcall
 from tensorstore_h5.bench.contenders import CONTENDERS, Ctx
 
 _HEAVY = ("h5py", "hdf5plugin", "fsspec", "tensorstore_h5.writing", "tensorstore_h5.sharded",
-          "tensorstore_h5.distributed", "tensorstore_h5.codecs.presets", "tensorstore_h5.format.hdf5meta")
+          "tensorstore_h5.distributed", "tensorstore_h5.codecs.presets", "tensorstore_h5.format.hdf5meta",
+          # what only URLs, compressed chunks and the HTML view need (each ~0.5-2 ms of a fresh open)
+          "tensorstore_h5.storage.remote", "tensorstore_h5.storage.httpranges", "tensorstore_h5.codecs.decoders",
+          "isal", "html", "shlex")
 
 
 def _imported_after(code: str) -> list[str]:
@@ -34,6 +37,40 @@ def test_reading_a_format_2_file_imports_no_hdf5_writer_or_remote_code(tmp_path)
     loaded = [m for m in mods if m.split(".")[0] in _HEAVY or m.startswith(_HEAVY)]
     assert loaded == [], loaded
     assert "tensorstore_h5.reading.store" in mods  # (the probe did run)
+
+
+def test_the_format_records_are_not_dataclasses() -> None:
+    """dataclass compiles each record's methods at import (~0.5 ms a class, ~6 ms of the first
+    open); the format's records are built by format.record instead, with the same behaviour."""
+    from tensorstore_h5.format import layout, record, slicing, tree
+
+    sel = slicing.select((slice(1, 3), 0), (4, 5))
+    assert sel == slicing.Selection((4, 5), (1, 0), (2, 1), (1, 1), (2,)) and hash(sel) == hash(slicing.select((slice(1, 3), 0), (4, 5)))
+    assert repr(sel) == "Selection(source=(4, 5), start=(1, 0), count=(2, 1), step=(1, 1), shape=(2,))"
+    assert sel != slicing.select(slice(0, 3), (4, 5)) and sel.__eq__(object()) is NotImplemented
+    for attempt in (lambda: setattr(sel, "shape", (1,)), lambda: delattr(sel, "shape")):
+        try:
+            attempt()
+        except record.FrozenError as e:
+            assert isinstance(e, AttributeError) and "frozen Selection" in str(e)
+        else:
+            raise AssertionError("a record accepted an assignment")
+    with_defaults = layout.Header(2, 10, 4, 5, 6)
+    assert with_defaults.layout_hash == 6 and layout.Header(2, 10, 4, 5, layout_hash=6) == with_defaults
+    for bad in (lambda: layout.Header(2, 10), lambda: layout.Header(1, 2, 3, 4, 5, 6), lambda: layout.Header(2, 1, 2, 3, 4, x=1)):
+        try:
+            bad()
+        except TypeError:
+            pass
+        else:
+            raise AssertionError("a record took wrong arguments")
+    assert layout.Contiguous(64, 8) == layout.Contiguous(64, 8, None) and layout.Contiguous(64, 8).block > 0
+    leaf = tree.Leaf("a/b", "b", 3)
+    assert leaf.__match_args__ == ("path", "key", "value") and leaf == tree.Leaf("a/b", "b", 3)
+    assert "_geometry" not in repr(layout.Chunked((4, 4), 4, (2, 4), 1, (4,), ((0, 1, False), (1, 1, False))))
+    for cls in (layout.Header, layout.Contiguous, layout.Chunked, layout.TensorEntry, layout.ArrayEntry,
+                layout.ValueEntry, layout.ForeignEntry, tree.Container, tree.Leaf, slicing.Selection):
+        assert not hasattr(cls, "__dataclass_fields__"), cls
 
 
 def test_format_1_and_saving_still_import_what_they_need(tmp_path) -> None:

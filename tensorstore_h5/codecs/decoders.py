@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..format import checksum
+from . import DecodeError
 from ..format.layout import BITSHUFFLE_ID, BLOSC2_ID, DEFLATE_ID, Chunked
 from ..storage.parallel import run_jobs
 
@@ -51,10 +52,6 @@ DECODE_COST = 8
 
 _BSHUF_LZ4, _BSHUF_ZSTD = 2, 3
 _BSHUF_BLOCKED_MULT = 8  # bitshuffle blocks hold a multiple of 8 elements
-
-
-class DecodeError(Exception):
-    """A chunk that does not decode to exactly its bytes (damaged or hostile)."""
 
 
 Decoder = Callable[[Any, int, int, int], None]

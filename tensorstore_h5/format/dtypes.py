@@ -15,7 +15,6 @@ Quantized dtypes (``qint8``, ...) need a quantizer and are not supported.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import UnsupportedTypeError
+from .record import record
 
 if TYPE_CHECKING:
     import h5py  # imported where HDF5 types are made: a format-2 file is read without h5py
@@ -56,7 +56,7 @@ def _complex32() -> h5py.h5t.TypeCompoundID:
 _BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-@dataclass(frozen=True)
+@record
 class DtypeSpec:
     """How one torch dtype is stored.
 

@@ -3,7 +3,7 @@ human-readable copy of this module.
 
 This is the only module that knows the header, the layout text and the HDF5 attributes of
 a file. Everything read from a file passes through the ``parse_*`` functions below into
-frozen dataclasses; anything that does not parse raises :class:`FormatError` naming the file
+frozen records (:mod:`.record`); anything that does not parse raises :class:`FormatError` naming the file
 and the entry. Every byte range a format-2 layout names is checked against the file's length
 here, before any reader sees it, and the ranges of entries selected together against each
 other (``Layout.select``).
@@ -14,10 +14,8 @@ from __future__ import annotations
 import json
 import math
 import operator
-import shlex
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Union
 
@@ -28,6 +26,7 @@ from . import checksum, tree
 from .constants import DEFLATE_VERSION, FORMAT_VERSION
 from .dtypes import DtypeSpec, spec_for_name
 from .slicing import contiguous_stride, has_gaps, stride_span
+from .record import record
 from .tree import Container
 
 if TYPE_CHECKING:
@@ -107,7 +106,7 @@ _MAX_JSON_DEPTH = 64
 # ---------------------------------------------------------------------------- the header
 
 
-@dataclass(frozen=True)
+@record
 class Header:
     """The format-2 header (FORMAT.md, "Header")."""
 
@@ -125,11 +124,18 @@ def pack_header(h: Header) -> bytes:
     return body + struct.pack("<Q", checksum.digest(body))
 
 
+def _quoted(path: str) -> str:
+    """``path`` quoted for a shell (shlex, imported only for this message)."""
+    import shlex
+
+    return shlex.quote(path)
+
+
 def changed_error(file: str, seen: str) -> FormatError:
     """The error for a format-2 file that another HDF5 tool changed (h5py, h5repack): ``seen``
     says what shows it (docs/FORMAT.md, "Files changed by other HDF5 tools")."""
     return FormatError(f"{file}: the file was changed by another HDF5 tool after tensorstore_h5 saved it ({seen}); its "
-                       f"layout no longer describes it. Run `tensorstore-h5 reindex {shlex.quote(file)}` (or th5.reindex) "
+                       f"layout no longer describes it. Run `tensorstore-h5 reindex {_quoted(file)}` (or th5.reindex) "
                        "to adopt the changes, or open it as a plain HDF5 file with h5py.")
 
 
@@ -166,7 +172,7 @@ def parse_header(data: bytes, file: str, size: int, hdf5_eof: Callable[[], int |
 # ---------------------------------------------------------------------------- where bytes are
 
 
-@dataclass(frozen=True, init=False)
+@record
 class Contiguous:
     """``nbytes`` logical bytes stored at file offset ``offset``; ``hashes`` are the XXH3 of
     consecutive ``block``-byte blocks (None where the file has no checksums)."""
@@ -181,7 +187,7 @@ class Contiguous:
         self.__dict__.update(offset=offset, nbytes=nbytes, hashes=hashes, block=block)  # see TensorEntry.__init__
 
 
-@dataclass(frozen=True)
+@record
 class Chunked:
     """Compressed data: chunks of ``chunk_shape`` of a dataset of ``shape``, each one
     consecutive run of the logical bytes (FORMAT.md, "Where the bytes are").
@@ -197,10 +203,13 @@ class Chunked:
     filter_values: tuple[int, ...]
     chunks: tuple[tuple[int, int, bool], ...]
     hashes: tuple[int, ...] | None = None
-    _geometry: tuple[int, int, int] = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_geometry", _chunk_geometry(self.shape, self.chunk_shape, self.itemsize))
+    def __init__(self, shape: tuple[int, ...], itemsize: int, chunk_shape: tuple[int, ...], filter_id: int,
+                 filter_values: tuple[int, ...], chunks: tuple[tuple[int, int, bool], ...],
+                 hashes: tuple[int, ...] | None = None) -> None:
+        self.__dict__.update(shape=shape, itemsize=itemsize, chunk_shape=chunk_shape, filter_id=filter_id,
+                             filter_values=filter_values, chunks=chunks, hashes=hashes,
+                             _geometry=_chunk_geometry(shape, chunk_shape, itemsize))  # (not a field: ValueError here)
 
     @property
     def nbytes(self) -> int:
@@ -325,7 +334,7 @@ class TensorSizes:
         return self.numel * self.dtype.itemsize
 
 
-@dataclass(frozen=True, init=False)
+@record
 class TensorEntry(TensorSizes):
     """A tensor leaf stored as the dataset ``dataset``.
 
@@ -356,14 +365,14 @@ class TensorEntry(TensorSizes):
                  stride: tuple[int, ...] | None = None, same_as: str | None = None, parameter: bool = False,
                  requires_grad: bool = False, foreign: bool = False, packed: int | None = None,
                  extent: Extent | None = None) -> None:
-        # The frozen dataclass's own __init__ sets each field through object.__setattr__:
-        # 2 us an entry, against 1 us here; a checkpoint of many small tensors makes thousands.
+        # One update, not a setattr a field (a frozen dataclass's way: 2 us an entry, against 1 us
+        # here); a checkpoint of many small tensors makes thousands.
         self.__dict__.update(path=path, key=key, dtype=dtype, shape=shape, dataset=dataset, stride=stride,
                              same_as=same_as, parameter=parameter, requires_grad=requires_grad, foreign=foreign,
                              packed=packed, extent=extent)
 
 
-@dataclass(frozen=True)
+@record
 class ArrayEntry:
     """A numpy array leaf stored as the dataset ``dataset`` with numpy dtype ``dtype``."""
 
@@ -374,12 +383,16 @@ class ArrayEntry:
     dataset: str
     extent: Extent | None = None
 
+    def __init__(self, path: str, key: Any, dtype: np.dtype, shape: tuple[int, ...], dataset: str,
+                 extent: Extent | None = None) -> None:
+        self.__dict__.update(path=path, key=key, dtype=dtype, shape=shape, dataset=dataset, extent=extent)
+
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-@dataclass(frozen=True)
+@record
 class ValueEntry:
     """A non-tensor leaf kept in the layout itself (decoded value)."""
 
@@ -387,8 +400,11 @@ class ValueEntry:
     key: Any
     value: Any
 
+    def __init__(self, path: str, key: Any, value: Any) -> None:
+        self.__dict__.update(path=path, key=key, value=value)
 
-@dataclass(frozen=True)
+
+@record
 class ForeignEntry:
     """A dataset of a foreign HDF5 file whose type has no torch equivalent."""
 

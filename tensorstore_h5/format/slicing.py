@@ -8,13 +8,14 @@ Every read path turns its index into a :class:`Selection` here, once.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 from typing import Any
+
+from .record import record
 
 __all__ = ["Selection", "select", "whole", "rows", "contiguous_stride", "stride_span", "has_gaps"]
 
 
-@dataclass(frozen=True)
+@record
 class Selection:
     """A regular hyperslab of a dataset of shape ``source`` and the shape of the result.
 

@@ -12,13 +12,13 @@ import math
 import re
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import UnsupportedTypeError
+from .record import record
 
 __all__ = [
     "escape", "unescape", "join", "split", "name_for_key", "MAX_NAME_BYTES", "encode_value", "decode_value",
@@ -33,8 +33,15 @@ only as "huge" objects of a group's fractal heap, which this library does not wr
 EMPTY_NAME = "%"
 """Link name of the empty-string key (a lone ``%`` is never produced otherwise)."""
 
-_NEEDS_ESCAPE = re.compile("[%/\x00\ud800-\udfff]")
-_PERCENT = re.compile(r"%([0-9A-F]{2})")
+_NEEDS_ESCAPE = "[%/\x00\ud800-\udfff]"  # patterns compiled on first use (re caches them): ~1 ms at import
+_PERCENT = r"%([0-9A-F]{2})"
+
+
+def _plain(name: str) -> bool:
+    """True when ``name`` has nothing to escape, decided without a regex for ASCII names."""
+    if name.isascii():
+        return "%" not in name and "/" not in name and "\x00" not in name
+    return re.search(_NEEDS_ESCAPE, name) is None
 
 
 def escape(key: str) -> str:
@@ -48,20 +55,20 @@ def escape(key: str) -> str:
         return EMPTY_NAME
     if key in (".", ".."):
         return "%2E" * len(key)
-    if _NEEDS_ESCAPE.search(key) is None:
+    if _plain(key):
         return key
-    return _NEEDS_ESCAPE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode("utf-8", "surrogatepass")), key)
+    return re.sub(_NEEDS_ESCAPE, lambda m: "".join(f"%{b:02X}" for b in m.group().encode("utf-8", "surrogatepass")), key)
 
 
 def unescape(name: str) -> str:
     """Invert :func:`escape`. Raises ValueError for a name that ``escape`` cannot produce."""
     if name == EMPTY_NAME:
         return ""
-    if name.isascii() and _NEEDS_ESCAPE.search(name) is None and name not in ("", ".", ".."):
+    if name.isascii() and _plain(name) and name not in ("", ".", ".."):
         return name
     parts: list[bytes] = []
     pos = 0
-    for m in _PERCENT.finditer(name):
+    for m in re.finditer(_PERCENT, name):
         parts.append(name[pos:m.start()].encode("utf-8", "surrogatepass"))
         parts.append(bytes([int(m.group(1), 16)]))
         pos = m.end()
@@ -177,7 +184,7 @@ _TORCH_DTYPES = {name: v for name, v in vars(torch).items() if isinstance(v, tor
 """torch's dtypes by attribute name: a stored name is looked up here, never with getattr on
 the torch module (whose lazy attributes import submodules)."""
 
-_NUMPY_NAME = re.compile(r"[<>|=]?[biufc](1|2|4|8|16)")
+_NUMPY_NAME = r"[<>|=]?[biufc](1|2|4|8|16)"
 
 
 def numpy_dtype(name: str) -> np.dtype | None:
@@ -185,7 +192,7 @@ def numpy_dtype(name: str) -> np.dtype | None:
     integer, float or complex of any byte order; None for anything else. Untrusted names never
     reach numpy's full dtype parser, which evaluates parts of a string (``"f4,,2"`` raised
     SyntaxError from ``ast.literal_eval``)."""
-    if not _NUMPY_NAME.fullmatch(name):
+    if not re.fullmatch(_NUMPY_NAME, name):
         return None
     try:
         dt = np.dtype(name)
@@ -198,7 +205,7 @@ CONTAINER_TYPES: dict[str, type] = {"dict": dict, "OrderedDict": OrderedDict, "l
 _TYPE_NAMES = {v: k for k, v in CONTAINER_TYPES.items()}
 
 
-@dataclass(frozen=True, init=False)
+@record
 class Container:
     """A dict, OrderedDict, list or tuple at ``path``; ``key`` is its key in the parent dict
     (None for list/tuple items and the root). ``module_metadata`` is the ``_metadata``
@@ -212,12 +219,12 @@ class Container:
 
     def __init__(self, path: str, key: Any, type: str,
                  module_metadata: dict[str, dict[str, Any]] | None = None) -> None:
-        # The frozen dataclass's own __init__ sets each field through object.__setattr__;
-        # flattening a state of thousands of small objects makes one per container and leaf.
+        # One update, not a setattr a field: flattening a state of thousands of small objects
+        # makes one per container and leaf.
         self.__dict__.update(path=path, key=key, type=type, module_metadata=module_metadata)
 
 
-@dataclass(frozen=True, init=False)
+@record
 class Leaf:
     """A tensor, numpy array or plain value at ``path``; ``key`` as for :class:`Container`."""
 
@@ -317,6 +324,6 @@ def inflate(items: Iterable[Container | Leaf]) -> Any:
     return built.get("")
 
 
-@dataclass(frozen=True)
+@record
 class _Pending:
     path: str

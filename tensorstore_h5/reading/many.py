@@ -24,9 +24,11 @@ from ..display import Progress
 from ..format.layout import ArrayEntry, Container, Contiguous, TensorEntry
 from ..format.slicing import Selection, whole
 from ..format.tree import Leaf
-from ..storage import files, memory, parallel, remote
+from ..storage import Deferred, files, memory, parallel
 from ..transfer import Device
 from .tensors import TensorReader, checking, data_bytes
+
+remote: Any = Deferred(f"{__package__.rpartition('.')[0]}.storage.remote", globals(), "remote")  # URLs only
 
 __all__ = ["Reader"]
 
@@ -138,7 +140,7 @@ class Reader(TensorReader):
         """For a remote source, which entries :meth:`_fetched` streams into new CPU tensors of
         their own (contiguous tensors of at least :data:`remote.DIRECT_BYTES` bound for the
         CPU); None for other sources."""
-        if not isinstance(self.rawfile(), remote.RemoteSource):
+        if not self.rawfile().remote:
             return None
 
         def direct(e: Any) -> bool:

@@ -12,6 +12,7 @@ before any byte of a dataset is read. How bytes are read is the read planner's
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -24,11 +25,15 @@ from ..format import layout as fmt
 from ..format.layout import ArrayEntry, Chunked, Container, Layout, TensorEntry, ValueEntry
 from ..format.slicing import contiguous_stride, select as select_index
 from ..format.tree import Leaf
-from ..storage import files, libhdf5, memory, remote
+from ..storage import Deferred, files, memory
 from ..transfer import Device
 from .many import Reader
 from .select import Selector, closest, resolve
 from .tensors import checking, data_bytes, touched
+
+# a local format-2 file is opened and read without either (their imports are most of a fresh open)
+libhdf5: Any = Deferred(f"{__package__.rpartition('.')[0]}.storage.libhdf5", globals(), "libhdf5")
+remote: Any = Deferred(f"{__package__.rpartition('.')[0]}.storage.remote", globals(), "remote")
 
 __all__ = ["Store", "TensorHandle", "EntryView", "Device"]
 
@@ -199,6 +204,34 @@ class TensorHandle(EntryView):
         return f"<TensorHandle {e.path!r} shape={list(e.shape)} dtype={dtype} {human_bytes(e.nbytes)}>"
 
 
+def check_links_first(layout: Layout, raw: Any) -> None:
+    """Make the first use of ``layout``'s entries (any read, ``load``, ``info``, ``in``)
+    compare the HDF5 part of ``raw``'s file with it (:func:`libhdf5.link_changes`) and raise
+    :func:`~..format.layout.changed_error` where they differ; later uses cost nothing. Opening
+    a file and listing its keys read no HDF5 metadata and import no libhdf5 code (the open of
+    10,000 keys is benchmarked)."""
+    ref = weakref.ref(layout)  # (the layout keeps these functions: no cycle through them)
+
+    def first(name: str) -> Any:
+        method = getattr(type(layout), name)
+
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            owner = ref()
+            assert owner is not None
+            result = method(owner, *args, **kwargs)  # the layout's own checks first (damaged or overlapping entries)
+            seen = libhdf5.link_changes(raw, owner)
+            if seen is not None:
+                raise fmt.changed_error(owner.file, seen)
+            owner.__dict__.pop("entry", None)  # checked: the class's own methods again
+            owner.__dict__.pop("select", None)
+            return result
+
+        return checked
+
+    layout.entry = first("entry")  # type: ignore[method-assign]
+    layout.select = first("select")  # type: ignore[method-assign]
+
+
 class Store:
     """A tensorstore_h5 (or plain HDF5) file opened read-only. Nothing is read until asked for.
 
@@ -219,10 +252,11 @@ class Store:
     """
 
     def __init__(self, path: Any, *, storage_options: dict[str, Any] | None = None) -> None:
-        local = remote.local_path(path)
+        local = files.local_path(path)
         self.path = local if local is not None else path if isinstance(path, str) else remote.FileObjSource.name_of(path)
         for _ in range(3 if local is not None else 1):  # a save may rename a new file over the path while we open it
-            raw = remote.open_source(path, storage_options)  # files.RawFile, remote.RemoteSource or FileObjSource
+            # files.RawFile, remote.RemoteSource or FileObjSource
+            raw = files.RawFile(local) if local is not None else remote.open_source(path, storage_options)
             try:
                 with memory.gc_paused():  # a layout of many keys is many new objects, none in a cycle
                     self._layout, file = self._open(raw)  # file: the h5py.File of a format-1 or foreign file
@@ -248,7 +282,7 @@ class Store:
                 raise FormatError(f"{self.path}: damaged layout (checksum mismatch)")
             layout = fmt.parse_layout_v2(text, self.path, raw.size, header.layout_offset, version=header.version)
             if isinstance(raw, files.RawFile):  # before any entry is used, the HDF5 links are compared with it
-                libhdf5.check_links_first(layout, raw)
+                check_links_first(layout, raw)
             return layout, None
         other = _other_format(head)
         if other:

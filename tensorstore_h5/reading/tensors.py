@@ -14,25 +14,37 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from .. import transfer
-from ..codecs.decoders import ChunkReader, DECODE_COST, DecodeError
+from ..codecs import DecodeError
 from ..display import human_bytes
-from ..errors import FormatError, MismatchError, TensorStoreError, few
+from ..errors import FormatError, MismatchError, RemoteError, TensorStoreError, few
 from ..format import checksum
 from ..format import layout as fmt
 from ..format.dtypes import bits_view
 from ..format.layout import ArrayEntry, Chunked, Contiguous, ForeignEntry, TensorEntry, ValueEntry
 from ..format.slicing import Selection, contiguous_stride, select as select_index, whole
-from ..storage import files, libhdf5, memory, parallel, remote
-from ..storage.libhdf5 import HDF5Read
+from ..storage import Deferred, files, memory, parallel
+
+if TYPE_CHECKING:
+    from ..storage.libhdf5 import HDF5Read
+
+# imported where they are needed: chunks to decode, files only libhdf5 reads
+decoders: Any = Deferred(f"{__package__.rpartition('.')[0]}.codecs.decoders", globals(), "decoders")
+libhdf5: Any = Deferred(f"{__package__.rpartition('.')[0]}.storage.libhdf5", globals(), "libhdf5")
 from ..transfer import Device
 
 __all__ = ["TensorReader", "READ_ERRORS", "checking", "data_bytes"]
+
+def _by_hdf5(where: Any) -> bool:
+    """True for the location of a dataset that only libhdf5 reads (an ``HDF5Read``), told
+    apart without importing libhdf5: every other location is an extent (or None)."""
+    return where is not None and not isinstance(where, (Contiguous, Chunked))
+
 
 READ_ERRORS = (OSError, EOFError, DecodeError, checksum.ChecksumError, ValueError)
 """What a read of stored bytes raises for a damaged or changed file (re-raised as FormatError)."""
@@ -119,7 +131,7 @@ class TensorReader:
         if isinstance(where, Chunked):
             return {"filters": [{"id": where.filter_id, "name": fmt.FILTER_NAMES.get(where.filter_id, str(where.filter_id)),
                                  "options": list(where.filter_values)}], "chunks": list(where.chunk_shape)}
-        if isinstance(where, HDF5Read):
+        if _by_hdf5(where):
             from ..codecs.presets import describe
 
             return describe(where.dsid.get_create_plist())
@@ -147,13 +159,13 @@ class TensorReader:
         error that already names a key is left as it is)."""
         try:
             yield
-        except remote.RemoteError as e:
+        except RemoteError as e:
             message, prefix = str(e), f"{self.path}: "
             if not keys or message.startswith(prefix + "key"):
                 raise
             rest = message[len(prefix):] if message.startswith(prefix) else message
             names = few([repr(k) for k in keys])
-            raise remote.RemoteError(f"{prefix}{'key' if len(keys) == 1 else 'keys'} {names}: {rest}") from e
+            raise RemoteError(f"{prefix}{'key' if len(keys) == 1 else 'keys'} {names}: {rest}") from e
 
     def target(self, device: Device, key: str) -> torch.device | None:
         """The device a leaf goes to: None for the CPU (any spelling), else a device that
@@ -166,7 +178,7 @@ class TensorReader:
         if not isinstance(entry, (TensorEntry, ArrayEntry)) or getattr(entry, "same_as", None):
             return []
         where = self.where(entry)
-        if where is None or isinstance(where, HDF5Read):
+        if where is None or _by_hdf5(where):
             return []
         lo, hi = touched(entry, sel) if sel is not None and not sel.empty else (0, where.nbytes)
         if isinstance(where, Contiguous):
@@ -238,7 +250,7 @@ class TensorReader:
                 if verify and where.hashes is not None and checksum.block_hashes(view, where.block) != list(where.hashes):
                     raise checksum.ChecksumError("its data")
             elif isinstance(where, Chunked):
-                ChunkReader(where, raw.pread, verify).read(0, view)
+                decoders.ChunkReader(where, raw.pread, verify).read(0, view)
             else:
                 where.dsid.read(libhdf5.h5py.h5s.ALL, libhdf5.h5py.h5s.ALL, out)
         except (*READ_ERRORS, *libhdf5.H5_ERRORS) as e:
@@ -353,7 +365,7 @@ class TensorReader:
         ranged = isinstance(where, (Contiguous, Chunked)) and sel.contiguous_rows
         skip = sum(a * st for a, st in zip(sel.start, contiguous_stride(entry.shape))) * entry.dtype.itemsize \
             if any(sel.start) else 0  # bytes before the selection's first element
-        reader = ChunkReader(where, raw.pread, verify) if isinstance(where, Chunked) else None
+        reader = decoders.ChunkReader(where, raw.pread, verify) if isinstance(where, Chunked) else None
 
         def fetch(off: int, buf: memoryview) -> None:  # logical bytes [off, off + len(buf)) of the dataset
             if reader is not None:
@@ -381,7 +393,7 @@ class TensorReader:
             elif ranged:  # chunks decode on the I/O threads (ChunkReader.read); a remote source's bytes are fetched
                 align = reader.chunk_bytes if reader is not None else 1
                 stage = lambda off, buf: fetch(skip + off, memory.tensor_buffer(buf))  # noqa: E731
-            elif isinstance(where, HDF5Read):
+            elif _by_hdf5(where):
                 stage, align = self._hdf5_rows(entry, where, sel, stager.block_bytes)
             if stage is not None and in_flight and not (gds and whole_check):
                 assert isinstance(where, Contiguous) and where.hashes is not None
@@ -396,7 +408,7 @@ class TensorReader:
             queue = plan if plan is not None and not post else None
             if queue is None and (reader is not None or dest.numel() * dest.element_size() > parallel.PIECE_BYTES):
                 queue = parallel.ReadPlan(raw)
-            if isinstance(where, HDF5Read):
+            if _by_hdf5(where):
                 self._hdf5_read(entry, where, sel, dest)
             elif not ranged:
                 bits = bits_view(dest).view(sel.count) if dest.element_size() <= 8 else dest.view(sel.count)
@@ -404,7 +416,7 @@ class TensorReader:
             elif reader is not None:
                 for job in reader.tasks(skip, memory.tensor_bytes(dest)):
                     assert queue is not None
-                    queue.add_job(self.keyed(job, entry), job.n * DECODE_COST)
+                    queue.add_job(self.keyed(job, entry), job.n * decoders.DECODE_COST)
             elif queue is None:  # one small range: read it here
                 self.keyed(lambda: fetch(skip, memory.tensor_buffer(dest)), entry)()
                 if whole_check:
@@ -452,7 +464,7 @@ class TensorReader:
             if not isinstance(e, (TensorEntry, ArrayEntry)) or getattr(e, "same_as", None) is not None:
                 continue
             where = self.where(e)
-            if where is None or isinstance(where, HDF5Read) or where.hashes is None:
+            if where is None or _by_hdf5(where) or where.hashes is None:
                 continue
             lo, hi = spans[id(e)] if spans and id(e) in spans else (0, where.nbytes)
             if hi <= lo:
@@ -462,7 +474,7 @@ class TensorReader:
                 for i in range(lo // b, (hi - 1) // b + 1):
                     ranges.append((where.offset + i * b, min(b, where.nbytes - i * b), where.hashes[i], e))
             else:
-                reader = ChunkReader(where, raw.pread, verify=True)
+                reader = decoders.ChunkReader(where, raw.pread, verify=True)
                 for k in range(where.locate(lo), len(where.chunks)):
                     start, valid = where.span(k)
                     if start >= hi:

@@ -30,8 +30,33 @@ from ..errors import (
 __all__ = [
     "MAX_JSON_BYTES", "path_error", "check_path", "open_regular", "read_small",
     "WRITE_CALL_BYTES", "READAHEAD_BYTES", "coalesce", "Source", "RawFile", "FileMap", "pwrite_all", "DIRECT_ALIGN",
-    "DIRECT_MIN_BYTES", "DIRECT_BUFFER_BYTES", "DirectWrites",
+    "DIRECT_MIN_BYTES", "DIRECT_BUFFER_BYTES", "DirectWrites", "is_url", "is_fileobj", "local_path",
 ]
+
+
+# ---------------------------------------------------------------------------- what a target names
+
+
+def is_url(target: Any) -> bool:
+    """True for a string with a scheme other than a Windows drive letter (``s3://``, ``https://``)."""
+    return isinstance(target, str) and "://" in target and len(target.split("://", 1)[0]) > 1
+
+
+def is_fileobj(target: Any) -> bool:
+    """True for a readable, seekable object that is not a path."""
+    return hasattr(target, "read") and hasattr(target, "seek") and not isinstance(target, (str, bytes, os.PathLike))
+
+
+def local_path(target: Any) -> str | None:
+    """The local path of a path or a ``file://`` URL, else None (a URL or a file object:
+    ``storage.remote`` reads those)."""
+    if isinstance(target, os.PathLike):
+        return os.fspath(target)
+    if isinstance(target, str):
+        if target.startswith("file://"):
+            return target[len("file://"):]
+        return None if is_url(target) else target
+    return None
 
 
 # ---------------------------------------------------------------------------- regular files only
@@ -203,6 +228,8 @@ class Source:
 
     path: str
     size: int
+    remote = False
+    """True for a source that fetches over a network (``remote.RemoteSource``)."""
 
     def pread(self, offset: int, view: memoryview) -> None:
         """Fill ``view`` with the bytes at ``offset``. Raises EOFError past the end."""

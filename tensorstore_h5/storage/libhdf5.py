@@ -16,7 +16,8 @@ libhdf5's parser itself is not hardened against crafted metadata (SECURITY.md).
 
 Also here, read without libhdf5 (bounded, and never to locate data): the comparison of a
 format-2 file's HDF5 groups with its layout, which refuses a file that h5py or h5repack
-changed after it was saved (:func:`link_changes`, :func:`check_links_first`; docs/FORMAT.md,
+changed after it was saved (:func:`link_changes`, which ``reading.store.check_links_first``
+runs on a file's first use; docs/FORMAT.md,
 "Files changed by other HDF5 tools").
 """
 
@@ -26,7 +27,6 @@ import bisect
 import math
 import os
 import struct
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +43,7 @@ from .memory import tensor_bytes
 
 __all__ = ["H5_ERRORS", "HDF5Read", "open_file", "read_layout", "foreign_layout", "locate", "verify_layout",
            "BLOCK_BYTES", "read_hdf5", "write_hdf5", "row_blocks", "write_tensor", "superblock_eof",
-           "link_changes", "check_links_first"]
+           "link_changes"]
 
 class _LazyH5py:
     """Stands for the h5py module until first used (format-2 files are read without it: its
@@ -849,30 +849,3 @@ class _Heap:
             raise _Unparsed("a heap ID outside its heap")
         lo = off - self.starts[i]
         return self.blocks[i][1], lo, lo + n
-
-
-def check_links_first(layout: Layout, raw: Any) -> None:
-    """Make the first use of ``layout``'s entries (any read, ``load``, ``info``, ``in``)
-    compare the HDF5 part of ``raw``'s file with it (:func:`link_changes`) and raise
-    :func:`~..format.layout.changed_error` where they differ; later uses cost nothing. Opening
-    a file and listing its keys read no HDF5 metadata (the open of 10,000 keys is benchmarked)."""
-    ref = weakref.ref(layout)  # (the layout keeps these functions: no cycle through them)
-
-    def first(name: str) -> Callable[..., Any]:
-        method = getattr(type(layout), name)
-
-        def checked(*args: Any, **kwargs: Any) -> Any:
-            owner = ref()
-            assert owner is not None
-            result = method(owner, *args, **kwargs)  # the layout's own checks first (damaged or overlapping entries)
-            seen = link_changes(raw, owner)
-            if seen is not None:
-                raise fmt.changed_error(owner.file, seen)
-            owner.__dict__.pop("entry", None)  # checked: the class's own methods again
-            owner.__dict__.pop("select", None)
-            return result
-
-        return checked
-
-    layout.entry = first("entry")  # type: ignore[method-assign]
-    layout.select = first("select")  # type: ignore[method-assign]

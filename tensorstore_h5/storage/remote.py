@@ -36,8 +36,9 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from ..errors import TensorStoreError
+from ..errors import RemoteError, TensorStoreError
 from . import files
+from .files import is_fileobj, is_url, local_path  # (what opens a local path needs no remote code)
 from .httpranges import (DeadlineError, HTTPStatusError, RangeAnswerError, RangeClient, VersionError, check_answer,
                          parse_content_range)
 
@@ -173,17 +174,6 @@ def _strong_etag(info: dict[str, Any]) -> str | None:
     return etag if isinstance(etag, str) and etag.startswith('"') else None
 
 
-class RemoteError(TensorStoreError, OSError):
-    """A remote object could not be read or written: the message names the URL."""
-
-
-def is_url(target: Any) -> bool:
-    """True for a string with a scheme other than a Windows drive letter (``s3://``, ``https://``)."""
-    return isinstance(target, str) and "://" in target and len(target.split("://", 1)[0]) > 1
-
-
-def is_fileobj(target: Any) -> bool:
-    return hasattr(target, "read") and hasattr(target, "seek") and not isinstance(target, (str, bytes, os.PathLike))
 
 
 def _fsspec() -> Any:
@@ -192,17 +182,6 @@ def _fsspec() -> Any:
     except ImportError:
         raise TensorStoreError("reading and writing URLs needs fsspec: pip install \"tensorstore_h5[remote]\"") from None
     return fsspec
-
-
-def local_path(target: Any) -> str | None:
-    """The local path of a path or a ``file://`` URL, else None."""
-    if isinstance(target, os.PathLike):
-        return os.fspath(target)
-    if isinstance(target, str):
-        if target.startswith("file://"):
-            return target[len("file://"):]
-        return None if is_url(target) else target
-    return None
 
 
 def open_source(target: Any, storage_options: dict[str, Any] | None = None, retries: int | None = None) -> Any:
@@ -358,6 +337,8 @@ class RemoteSource(files.Source):
 
     ``stats`` counts requests and bytes received (for tests and the benchmark).
     """
+
+    remote = True
 
     local = False
 

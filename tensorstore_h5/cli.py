@@ -280,18 +280,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
             bar.close()
         reader = store._reader
         remote_source = None if reader.local else reader.rawfile()  # a URL or file object: h5py reads through it
-        if remote_source is not None and store.format_version == 2:  # HDF5's metadata lies after the data and in
+        version = store.format_version
+        if remote_source is not None and version in (2, 3):  # HDF5's metadata lies after the data and in
             ends = [o + n for e in entries.values() for o, n in reader.ranges(e)]  # the first block: fetched at
             start = max(ends, default=0)                                     # once, not by one request per read
             remote_source.prefetch([(0, 4096), (start, max(0, remote_source.size - start))])
-        problems = list(verify_layout(store.path, store._layout, remote_source)) if store.format_version == 2 else []
-        version = store.format_version
+        problems = list(verify_layout(store.path, store._layout, remote_source)) if version in (2, 3) else []
     if problems:
         for p in problems:
             print(f"{args.file}: {p}", file=sys.stderr)
         print(f"{args.file}: FAILED, {len(problems)} problem(s)", file=sys.stderr)
         return _EXIT_ERROR
-    what = ("checksums and HDF5 metadata agree" if version == 2 else
+    what = ("checksums and HDF5 metadata agree" if version in (2, 3) else
             "format 1 has no checksums: structure checked" if version == 1 else "a foreign HDF5 file: structure checked")
     also = (f"; {len(skipped)} dataset(s) of types torch cannot hold not read ({', '.join(map(repr, skipped[:3]))}"
             f"{' ...' if len(skipped) > 3 else ''})" if skipped else "")

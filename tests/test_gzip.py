@@ -474,3 +474,27 @@ def test_older_golden_files_still_read_exactly() -> None:
     assert_same(th5.load(data / "v1.h5"), golden1())
     assert_same(th5.load(data / "v2.h5", verify=True), golden2())
     assert th5.open(data / "v2.h5").format_version == 2
+
+
+def test_verify_cross_checks_the_hdf5_part_of_version_3_files(tmp_path) -> None:
+    """`tensorstore-h5 verify` compares a gzip (version-3) file's layout with what libhdf5
+    finds, as for version 2: a damaged HDF5 chunk index is a problem although every chunk
+    the layout names still matches its checksum."""
+    path = tmp_path / "g.h5"
+    th5.save({"w": _smooth((4096, 1024), torch.float32), "b": torch.zeros(8)}, path, compression="gzip")
+    assert th5.open(path).format_version == 3
+
+    def verify() -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tensorstore_h5", "verify", str(path)], capture_output=True,
+                              text=True, timeout=300)
+
+    r = verify()
+    assert r.returncode == 0 and "checksums and HDF5 metadata agree" in r.stdout, r.stderr
+    raw = bytearray(path.read_bytes())
+    at = raw.find(b"FADB")  # libhdf5's fixed-array chunk index of the chunked dataset
+    assert at > 0
+    raw[at + 40] ^= 0xFF  # inside its chunk addresses (the block's checksum no longer matches)
+    path.write_bytes(bytes(raw))
+    assert torch.equal(th5.load(path)["b"], torch.zeros(8))  # the layout's own view is intact
+    r = verify()
+    assert r.returncode == 1 and "key 'w'" in r.stderr and "FAILED, 1 problem(s)" in r.stderr, (r.stdout, r.stderr)

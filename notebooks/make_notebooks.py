@@ -1,15 +1,32 @@
-"""Writes the notebooks (without outputs) from the cells below; the test suite executes them.
+"""Writes the notebooks, executed, from the cells below; the test suite executes them anew.
 
 A cell is markdown (``md``), code that must show a figure (``figure``: an ``image/png``
 output), code that must show a table or the HTML view (``html``: a ``text/html`` output), or
 plain code (``str``). ``figure`` and ``html`` cells carry the tag of that name in the notebook,
 and tests/test_notebooks.py fails when a tagged cell does not produce what it promises.
 
-    python notebooks/make_notebooks.py
+The notebooks are committed with their outputs (figures as PNG), so that they show something
+on the repository. Each stores the hash of its code cells at execution
+(``metadata["tensorstore_h5"]["code_sha256"]``); the test fails when it is not that of the
+code cells below. Execution times, the kernel's version and the cells' timings are not kept,
+so running again changes only the outputs (numbers, timings, temporary paths).
+
+    python notebooks/make_notebooks.py              # executes the notebooks whose code changed
+    python notebooks/make_notebooks.py --execute    # executes every notebook anew
+    python notebooks/make_notebooks.py 02 05        # only those whose names start so
+
+A notebook whose code cells did not change keeps its outputs (its markdown is rewritten).
+Executing needs the ``notebook`` extra (jupyterlab brings nbclient and ipykernel), ``remote``
+for notebook 06, and the package installed (``pip install -e '.[notebook,remote]'``).
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import sys
+import tempfile
+import time
 from pathlib import Path
 from textwrap import dedent
 
@@ -157,21 +174,24 @@ NOTEBOOKS: dict[str, list[str]] = {
                         return {k: s[k][:max(1, int(len(s[k]) * frac))] for k in s.keys()}
                     ms, got = best_ms(sliced)
                     rows.append(('row slices', f'{frac:.0%} of rows', len(got), nbytes(got) / 1e6, ms))
+            del got
             partial = pd.DataFrame(rows, columns=['how', 'selection', 'tensors', 'MB', 'ms'])
         """),
         figure(_c("""
-            fig, ax = plt.subplots(figsize=(6.5, 3.6))
+            fig, ax = plt.subplots(figsize=(6.5, 3.8), layout='constrained')
             for (how, g), marker in zip(partial.groupby('how', sort=False), 'os'):
                 ax.plot(g['MB'], g['ms'], marker=marker, label=how)
-                for _, r in g.iterrows():
+                for _, r in g.iterrows():   # globs: below right of each point; row slices: above left
                     ax.annotate(r['selection'], (r['MB'], r['ms']), textcoords='offset points', fontsize=8,
                                 xytext=(6, -9) if how == 'globs' else (-6, 5), ha='left' if how == 'globs' else 'right')
-            ax.set_xscale('log'); ax.set_yscale('log'); ax.margins(x=0.12, y=0.15)
+            ax.set_xscale('log'); ax.set_yscale('log')
+            ax.set_xlim(partial['MB'].min() / 4, partial['MB'].max() * 2.5)   # room for the labels at both ends
+            ax.set_ylim(partial['ms'].min() / 2, partial['ms'].max() * 2)
             ax.set_xlabel('bytes selected (MB, log scale)')
             ax.set_ylabel('load time (ms, log scale)')
             ax.set_title(f'partial loads of a {total / 1e6:.0f} MB file: time follows the bytes')
             ax.grid(True, which='both', alpha=0.3)
-            ax.legend()
+            ax.legend(loc='upper left')
             plt.show()
         """)),
         html(_c("""
@@ -183,12 +203,20 @@ NOTEBOOKS: dict[str, list[str]] = {
            "`store.items()` reads one tensor at a time, and memory falls as each is dropped. safetensors' "
            "`safe_open` maps the file, so the pages it touches stay in the process (its RSS) until the file "
            "is closed. Each reads and sums every tensor of the same checkpoint while a thread samples the "
-           "resident memory (RSS) and how many bytes have been streamed so far, every 0.5 ms."),
+           "resident memory (RSS) and how many bytes have been streamed so far, every 0.5 ms. RSS growth is "
+           "counted from a baseline taken once the C heap has handed its free memory back (glibc's "
+           "`malloc_trim`): else memory freed by the cells above, still held by the heap, would show as a "
+           "fall below zero when streaming gives it back."),
         _c("""
+            import ctypes
             proc = psutil.Process()
+            try:
+                malloc_trim = ctypes.CDLL(None).malloc_trim   # glibc
+            except (AttributeError, OSError, TypeError):   # another C library: nothing to hand back
+                malloc_trim = lambda pad: 0
 
             def rss_while(stream):
-                gc.collect(); time.sleep(0.2)
+                gc.collect(); malloc_trim(0); time.sleep(0.2)
                 base = proc.memory_info().rss
                 done_bytes, samples, stop = [0], [], threading.Event()
                 t0 = time.perf_counter()
@@ -223,18 +251,23 @@ NOTEBOOKS: dict[str, list[str]] = {
                       'safetensors safe_open': rss_while(stream_safetensors)}
         """),
         figure(_c("""
-            fig, ax = plt.subplots(figsize=(6.5, 3.6))
+            fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4), layout='constrained')
             for name, df in memory.items():
-                ax.plot(df['MB streamed'], df['MiB'], label=f"{name}: {df['s'].max() * 1e3:.0f} ms", marker='.', ms=3)
-            for y, label, ls in ((largest / 2**20, 'largest tensor', '--'), (total / 2**20, 'whole file', ':')):
-                ax.axhline(y, color='grey', ls=ls, lw=1)
-                ax.annotate(label, (0, y), textcoords='offset points', xytext=(2, 3), fontsize=8, color='grey')
-            ax.set_xlabel('bytes streamed so far (MB)')
-            ax.set_ylabel('RSS growth (MiB)')
-            ax.set_ylim(-10, total / 2**20 * 1.12)
-            ax.set_title('resident memory while streaming every tensor once')
-            ax.legend(loc='upper left', bbox_to_anchor=(0, 0.92), title='sampled every 0.5 ms', fontsize=9,
-                      title_fontsize=8)
+                line, = a.plot(df['MB streamed'], df['MiB'], lw=1,
+                               label=f"{name}: {df['s'].max() * 1e3:.0f} ms, peak {df['MiB'].max():.0f} MiB")
+                if name.startswith('tensorstore_h5'):
+                    b.plot(df['MB streamed'], df['MiB'], lw=1, color=line.get_color())
+                    b.set_title(f'{name} alone, on its own scale')
+                    b.set_ylim(min(0, df['MiB'].min()) - 1, max(df['MiB'].max(), largest / 2**20) * 1.08)
+            a.axhline(total / 2**20, color='grey', ls=':', lw=1, label=f'whole file: {total / 2**20:.0f} MiB')
+            a.axhline(largest / 2**20, color='grey', ls='--', lw=1, label=f'largest tensor: {largest / 2**20:.1f} MiB')
+            b.axhline(largest / 2**20, color='grey', ls='--', lw=1)
+            a.set_title('both, on one scale')
+            a.set_ylabel('RSS growth (MiB)')
+            for ax in (a, b):
+                ax.set_xlabel('bytes streamed so far (MB)')   # the y limits take in every sample
+            fig.suptitle('resident memory while streaming every tensor once, sampled every 0.5 ms')
+            fig.legend(loc='outside lower center', ncols=2, fontsize=9)
             plt.show()
         """)),
         html(_c("""
@@ -247,7 +280,8 @@ NOTEBOOKS: dict[str, list[str]] = {
            "with three `items()` streams and a `Writer` (here the same file opened three times) holds a few "
            "tensors at a time. The temporaries of `0.5 * x + ...` come from the C heap, which keeps what is "
            "freed in it; `items()` and the `Writer` give the heap's free memory back to the system once it "
-           "holds 128 MiB (`th5.io.TRIM_BYTES`; `None` turns that off, shown for comparison)."),
+           "holds 128 MiB (`tensorstore_h5.storage.memory.TRIM_BYTES`; `None` turns that off, shown for "
+           "comparison)."),
         _c("""
             merged_path = os.path.join(tmp, 'merged.h5')
 
@@ -257,22 +291,22 @@ NOTEBOOKS: dict[str, list[str]] = {
                         w[key] = m = 0.5 * x + 0.3 * y + 0.2 * z
                         yield m
 
+            from tensorstore_h5.storage import memory as heap
             merging = {'items() + Writer': rss_while(merge)}
-            th5.io.TRIM_BYTES = None
+            heap.TRIM_BYTES = None
             merging['the same, heap not trimmed (TRIM_BYTES = None)'] = rss_while(merge)
-            th5.io.TRIM_BYTES = 128 * 2**20
+            heap.TRIM_BYTES = 128 * 2**20
         """),
         figure(_c("""
-            fig, ax = plt.subplots(figsize=(6.5, 3.6))
+            fig, ax = plt.subplots(figsize=(6.5, 4.2), layout='constrained')
             for name, df in merging.items():
-                ax.plot(df['MB streamed'], df['MiB'], label=name, marker='.', ms=3)
-            for y, label, ls in ((largest / 2**20, 'largest tensor', '--'), (total / 2**20, 'one input file', ':')):
-                ax.axhline(y, color='grey', ls=ls, lw=1)
-                ax.annotate(label, (0, y), textcoords='offset points', xytext=(2, 3), fontsize=8, color='grey')
+                ax.plot(df['MB streamed'], df['MiB'], label=f"{name}: peak {df['MiB'].max():.0f} MiB", lw=1)
+            ax.axhline(total / 2**20, color='grey', ls=':', lw=1, label=f'one input file: {total / 2**20:.0f} MiB')
+            ax.axhline(largest / 2**20, color='grey', ls='--', lw=1, label=f'largest tensor: {largest / 2**20:.1f} MiB')
             ax.set_xlabel('bytes merged so far (MB)')
             ax.set_ylabel('RSS growth (MiB)')
             ax.set_title('resident memory while merging three checkpoints into a fourth')
-            ax.legend(loc='upper left', bbox_to_anchor=(0, 0.92), fontsize=9)
+            fig.legend(loc='outside lower center', ncols=2, fontsize=8)
             plt.show()
         """)),
         html(_c("""
@@ -462,26 +496,84 @@ NOTEBOOKS: dict[str, list[str]] = {
             store = th5.open(ckpt)
             store
         """)),
-        md("Each tensor is stored in pieces, one per rank that held part of it. A slice reads only the pieces "
-           "it overlaps: rows 0-9 of a weight come from rank 0's file alone."),
+        md("## Resharding: 4 ranks wrote it, 3 read it\n"
+           "Each tensor is stored in pieces, one per rank that held part of it (`store[key].pieces`: the file, "
+           "and where the piece lies in the global tensor). `h[a:b]` reads only the pieces that rows `a:b` "
+           "overlap, and of each only the overlap. Say the job resumes on 3 ranks: each takes a third of the "
+           "rows of every tensor (`Shard(0)` over 3 ranks; `shard_bounds` gives the split). Here 3 readers "
+           "each open the directory, read their rows of every tensor, and list the files they opened "
+           "(psutil's `open_files`):"),
+        _c("""
+            from collections import Counter
+            import psutil
+            from tensorstore_h5.bench.simulate import shard_bounds
+
+            readers = 3
+            rank_of = {name: r for r, name in enumerate(store.files)}   # rank00000.<save id>.h5, ...
+            proc = psutil.Process()
+
+            def open_files():
+                here = os.path.realpath(ckpt)
+                return Counter(os.path.basename(f.path) for f in proc.open_files()
+                               if os.path.dirname(os.path.realpath(f.path)) == here)
+
+            wanted, opened = [], []   # per reader: MB of its rows in the file of each rank; the ranks' files it opened
+            for r in range(readers):
+                before, mb = open_files(), [0.0] * len(rank_of)
+                with th5.open(ckpt) as s:   # each reader its own store, as in its own process
+                    for key in s.keys():
+                        h = s[key]
+                        start, n = shard_bounds(h.shape[0], readers)[r]
+                        assert torch.equal(h[start:start + n], sd[key][start:start + n])
+                        for p in h.pieces:
+                            overlap = min(start + n, p.offsets[0] + p.shape[0]) - max(start, p.offsets[0])
+                            mb[rank_of[p.file]] += max(0, overlap) * h.nbytes / h.shape[0] / 1e6
+                    opened.append(sorted(rank_of[f] for f in open_files() - before))
+                wanted.append(mb)
+                print(f'reader {r}: {sum(mb):.2f} MB of {store.nbytes / 1e6:.2f}, from the files of ranks {opened[r]}')
+            assert opened == [[f for f, v in enumerate(mb) if v] for mb in wanted]   # those holding its rows, no other
+        """),
         figure(_c("""
-            keys = ['embed.weight', 'layers.0.attn.qkv.weight', 'layers.0.mlp.up.weight', 'layers.3.mlp.down.weight']
-            fig, ax = plt.subplots(figsize=(8, 2.6))
-            for y, key in enumerate(keys):
-                rows = store[key].shape[0]
-                for piece in store[key].pieces:
-                    rank = int(piece.file[4:9])
-                    ax.barh(y, piece.shape[0] / rows, left=piece.offsets[0] / rows, color=f'C{rank}',
-                            edgecolor='white', label=f'rank {rank}' if y == 0 else None)
-            ax.set_yticks(range(len(keys)), keys)
-            ax.invert_yaxis()
-            ax.set_xlabel('share of the rows (dimension 0) of each tensor')
-            ax.set_title('which rank file holds which rows')
-            ax.legend(ncol=4, loc='upper center', bbox_to_anchor=(0.5, -0.35))
-            fig.tight_layout()
+            key = 'layers.0.mlp.up.weight'
+            h = store[key]
+            bands = [('saved by 4 ranks', [(p.offsets[0], p.shape[0], rank_of[p.file]) for p in h.pieces])]
+            for r, (start, n) in enumerate(shard_bounds(h.shape[0], readers)):
+                parts = []
+                for p in h.pieces:
+                    lo, hi = max(start, p.offsets[0]), min(start + n, p.offsets[0] + p.shape[0])
+                    if hi > lo:
+                        parts.append((lo, hi - lo, rank_of[p.file]))
+                bands.append((f'reader {r} of {readers}', parts))
+
+            fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.4), layout='constrained',
+                                       gridspec_kw={'width_ratios': [1.6, 1]})
+            for y, (label, parts) in enumerate(bands):
+                for start, n, rank in parts:
+                    a.barh(y, n, left=start, height=0.7, color=f'C{rank}', edgecolor='white')
+                    a.text(start + n / 2, y, f'{start}-{start + n - 1}', ha='center', va='center', fontsize=7,
+                           color='white')
+            a.set_yticks(range(len(bands)), [label for label, _ in bands])
+            a.invert_yaxis()
+            a.set_xlim(0, h.shape[0])
+            a.set_xlabel(f'rows of {key} {list(h.shape)}, coloured by the rank whose file holds them')
+            a.set_title('one tensor: the rows each reader takes, and from which file')
+            b.imshow(wanted, cmap='Greys', vmin=0, vmax=3 * max(map(max, wanted)), aspect='auto')
+            for r, row in enumerate(wanted):
+                for f, v in enumerate(row):
+                    b.text(f, r, f'{v:.2f} MB' if v else 'not opened', ha='center', va='center', fontsize=8,
+                           color=f'C{f}' if v else '0.6', fontweight='bold' if v else 'normal')
+            b.set_xticks(range(len(rank_of)), [f'rank {f}' for f in range(len(rank_of))])
+            for f, tick in enumerate(b.get_xticklabels()):
+                tick.set_color(f'C{f}')
+            b.set_yticks(range(readers), [f'reader {r}' for r in range(readers)])
+            b.set_xlabel('the file written by')
+            b.set_title(f'all {len(store)} tensors: MB read from each file')
+            fig.suptitle(f'a checkpoint saved by 4 ranks, read back by {readers}')
             plt.show()
-            print(store['layers.0.attn.qkv.weight'][:10].shape, 'read from', store['layers.0.attn.qkv.weight'].pieces[0].file)
         """)),
+        md("Each reader opens 2 of the 4 files and reads a third of the checkpoint. In a job on 3 ranks, "
+           "`dcp.load(state, storage_reader=H5StorageReader(ckpt))` reads the same way, each rank only the "
+           "hyperslabs its shards need."),
         md("## Loading into a model\n"
            "`th5.load_into` fills a model's tensors from the directory as from one file: keys and shapes are "
            "checked, and with `verify=True` every checksum, before any tensor changes."),
@@ -572,12 +664,13 @@ NOTEBOOKS: dict[str, list[str]] = {
             table.style.format({'MB sent': '{:.2f}', 'share of the file': '{:.1%}', 'ms': '{:.0f}'})
         """)),
         figure(_c("""
-            fig, ax = plt.subplots(figsize=(7, 2.4))
+            fig, ax = plt.subplots(figsize=(7, 2.6), layout='constrained')
             ax.barh(table.index, table['share of the file'], color='C0')
             ax.set_xscale('log')
+            ax.xaxis.set_major_formatter(lambda v, pos: f'{v * 100:g}%')
             ax.set_xlabel('bytes sent by the server, as a share of the file (log scale)')
+            fig.suptitle(f'each read of a {size / 1e6:.0f} MB checkpoint over HTTP moves only its own bytes')
             ax.invert_yaxis()
-            fig.tight_layout()
             plt.show()
         """)),
         md("## Trust\n"
@@ -677,6 +770,7 @@ NOTEBOOKS: dict[str, list[str]] = {
             ax.bar(per_layer.index, per_layer.values, color=['C3' if v > 0 else 'C0' for v in per_layer.values])
             for x, v in enumerate(per_layer.values):
                 ax.text(x, v, 'equal' if v == 0 else f'{v:.1e}', ha='center', va='bottom', fontsize=8)
+            ax.set_ylim(0, per_layer.max() * 1.15)   # room for the label of the highest bar
             ax.set_xlabel('layer (other: embeddings, pooler)')
             ax.set_ylabel('largest ‖b − a‖ / ‖a‖')
             ax.set_title(f'what 5 steps moved in {source}')
@@ -741,9 +835,63 @@ def notebook(cells: list[str]) -> nbformat.NotebookNode:
     return nb
 
 
-def main() -> None:
-    for name, cells in NOTEBOOKS.items():
-        nbformat.write(notebook(cells), HERE / name)
+def code_hash(nb: nbformat.NotebookNode) -> str:
+    """The SHA-256 of the code cells of ``nb``, in order (markdown changes no output)."""
+    h = hashlib.sha256()
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            h.update(cell.source.encode() + b"\0")
+    return h.hexdigest()
+
+
+def execute(nb: nbformat.NotebookNode, cwd: str | Path, timeout: int = 300) -> nbformat.NotebookNode:
+    """Execute ``nb`` in place in a fresh ``python3`` kernel started in ``cwd`` (raises
+    ``nbclient.exceptions.CellExecutionError`` on the first error), and drop what changes at
+    each run without being an output: the cells' timings and the kernel's versions."""
+    from nbclient import NotebookClient
+
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+                   resources={"metadata": {"path": str(cwd)}}).execute()
+    nb.metadata["language_info"] = {"name": "python"}
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)
+    return nb
+
+
+def _kept_outputs(nb: nbformat.NotebookNode, old: nbformat.NotebookNode) -> bool:
+    """Give ``nb`` the outputs of ``old`` when ``old`` was executed from the same code cells."""
+    if old.metadata.get("tensorstore_h5", {}).get("code_sha256") != code_hash(nb):
+        return False
+    new_code = [c for c in nb.cells if c.cell_type == "code"]
+    old_code = [c for c in old.cells if c.cell_type == "code"]
+    if not all(c.get("execution_count") for c in old_code):
+        return False
+    for new, was in zip(new_code, old_code):
+        new.outputs, new.execution_count = was.outputs, was.execution_count
+    nb.metadata["tensorstore_h5"] = old.metadata["tensorstore_h5"]
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="only the notebooks whose names start with these (01, 02_partial)")
+    parser.add_argument("--execute", action="store_true", help="execute them even where their code did not change")
+    args = parser.parse_args(argv)
+    names = [n for n in NOTEBOOKS if not args.names or n.startswith(tuple(args.names))]
+    if not names:
+        parser.error(f"no notebook is named {' or '.join(args.names)}*")
+    for name in names:
+        nb, path = notebook(NOTEBOOKS[name]), HERE / name
+        if not args.execute and path.exists() and _kept_outputs(nb, nbformat.read(path, as_version=4)):
+            how = "code unchanged, outputs kept"
+        else:
+            t0 = time.perf_counter()
+            with tempfile.TemporaryDirectory() as cwd:
+                execute(nb, cwd)
+            nb.metadata["tensorstore_h5"] = {"code_sha256": code_hash(nb)}
+            how = f"executed in {time.perf_counter() - t0:.0f} s"
+        nbformat.write(nb, path)
+        print(f"{name}: {how}, {path.stat().st_size / 1e3:.0f} kB", file=sys.stderr)
 
 
 if __name__ == "__main__":

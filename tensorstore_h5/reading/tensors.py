@@ -417,8 +417,13 @@ class TensorReader:
                 for job in reader.tasks(skip, memory.tensor_bytes(dest)):
                     assert queue is not None
                     queue.add_job(self.keyed(job, entry), job.n * decoders.DECODE_COST)
-            elif queue is None:  # one small range: read it here
-                self.keyed(lambda: fetch(skip, memory.tensor_buffer(dest)), entry)()
+            elif queue is None:  # one range under a piece: read here, by the I/O threads at once where it is large
+                if self.local and reader is None:
+                    assert isinstance(where, Contiguous)
+                    at = where.offset + skip
+                    self.keyed(lambda: parallel.pread_split(raw.pread, at, memory.tensor_buffer(dest)), entry)()
+                else:
+                    self.keyed(lambda: fetch(skip, memory.tensor_buffer(dest)), entry)()
                 if whole_check:
                     self.check_hashes(entry, dest)
             else:

@@ -33,15 +33,27 @@ class _UsageError(Exception):
 # ---------------------------------------------------------------------------- helpers
 
 
-def _open(path: str) -> Any:
+def _open(path: str, listing: bool = False) -> Any:
     """The file as a Store, a checkpoint directory as a ShardedStore; another directory is named
-    as one, with the checkpoint files inside it."""
+    as one, with the checkpoint files inside it. With ``listing`` (``ls``, ``info``: no reads),
+    a local format-2 or 3 file is opened as a torch-free Listing instead: those commands then
+    start without importing torch (~1.5 s)."""
     if os.path.isdir(path):
         from .sharded import ShardedStore, is_checkpoint_directory
 
         if is_checkpoint_directory(path):
             return ShardedStore(path)
         raise _not_a_checkpoint(path)
+    if listing:
+        from .storage.files import local_path
+
+        local = local_path(path)
+        if local is not None:
+            from .reading.listing import Listing
+
+            found = Listing.open(local)
+            if found is not None:
+                return found
     from .reading.store import Store
 
     return Store(path)
@@ -128,7 +140,7 @@ def _row_text(r: dict[str, Any]) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with _open(args.file) as store:
+    with _open(args.file, listing=True) as store:
         keys = store.selected_keys(args.pattern) if args.pattern else store.keys()
         if args.pattern and not keys:
             raise KeyNotFoundError(f"{args.file}: no key matches {args.pattern!r}; list every key with "
@@ -168,7 +180,7 @@ def _info_dir(args: argparse.Namespace, store: Any) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from .format.layout import ForeignEntry, TensorEntry
 
-    with _open(args.file) as store:
+    with _open(args.file, listing=True) as store:
         if hasattr(store, "leaf_info"):
             return _info_dir(args, store)
         entries = [store._entry(k) for k in store.keys()]

@@ -60,8 +60,8 @@ def test_usage_errors_do_not_import_torch(args) -> None:
     assert not torch_imported
 
 
-def test_commands_that_read_files_do_import_torch(tmp_path) -> None:
-    r, torch_imported = run_command("info", str(tmp_path / "missing.h5"))
+def test_commands_that_read_tensors_do_import_torch(tmp_path) -> None:
+    r, torch_imported = run_command("verify", str(tmp_path / "missing.h5"))  # (ls and info list without it)
     assert r.returncode == 1 and "missing.h5" in r.stderr and torch_imported
 
 
@@ -111,3 +111,36 @@ print(json.dumps(out))
     assert out == {"torch_after_import": False, "dir_has_all": True, "convert_is_function": True,
                    "load": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], "version": 2, "presets": ["best", "gzip", "lz4", "zstd"],
                    "transfer": True, "star": True, "missing": "module 'tensorstore_h5' has no attribute 'no_such_name'"}
+
+
+def test_ls_and_info_of_a_format_2_or_3_file_do_not_import_torch(tmp_path) -> None:
+    """ls and info list a local format-2/3 file from its layout alone (reading.listing): the
+    same rows as through a Store, without torch's import (~1.5 s of the command); other files
+    (format 1, foreign HDF5, URLs, directories) still go through the store."""
+    import numpy as np
+    import torch
+
+    import tensorstore_h5 as th5
+
+    state = {"model": {"w": torch.randn(8, 4, dtype=torch.bfloat16), "b": torch.zeros(4), "t": None},
+             "step": 3, "lr": 1e-3, "arr": np.arange(5), "tied": {"x": (x := torch.ones(3)), "y": x}}
+    for name, compression in (("v2.h5", None), ("v3.h5", "gzip")):
+        path = tmp_path / name
+        th5.save(state, path, compression=compression)
+        for args in (("ls", str(path)), ("ls", str(path), "--json"), ("info", str(path)), ("ls", str(path), "model/*")):
+            r, torch_imported = run_command(*args)
+            assert r.returncode == 0, r.stderr
+            assert not torch_imported, args
+            from tensorstore_h5 import cli
+
+            with cli._open(str(path)) as store, cli._open(str(path), listing=True) as listing:
+                assert type(store).__name__ == "Store" and type(listing).__name__ == "Listing"
+                assert listing.keys() == store.keys() and listing.nbytes == store.nbytes
+                assert [cli._leaf_info(listing, k) for k in listing.keys()] == [cli._leaf_info(store, k) for k in store.keys()]
+        r, _ = run_command("ls", str(path))
+        assert "bfloat16" in r.stdout and "(same as tied/x)" in r.stdout and "(numpy array)" in r.stdout
+    th5.save({"shape": torch.Size([2, 3]), "w": torch.ones(2)}, tmp_path / "values.h5")
+    r, torch_imported = run_command("ls", str(tmp_path / "values.h5"))  # a value of torch's type: shown as such
+    assert r.returncode == 0 and "torch.Size([2, 3])" in r.stdout and torch_imported
+    r, torch_imported = run_command("ls", str(tmp_path / "missing.h5"))
+    assert r.returncode == 1 and "missing.h5" in r.stderr and not torch_imported

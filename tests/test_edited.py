@@ -25,7 +25,7 @@ import tensorstore_h5 as th5
 from tensorstore_h5 import cli
 from tensorstore_h5.errors import FormatError
 from tensorstore_h5.format import layout as fmt
-from tensorstore_h5.reading import store as store_module
+from tensorstore_h5.reading import listing as listing_module
 from tensorstore_h5.storage import libhdf5
 
 from helpers import assert_same, bits
@@ -404,7 +404,7 @@ def test_opening_and_listing_keys_read_no_hdf5_metadata_and_the_first_read_is_ch
     raw, layout = files_of(path), th5.open(path)._layout
     walk = best(lambda: real(raw, layout))
     raw.close()
-    monkeypatch.setattr(store_module, "check_links_first", lambda layout, raw: None)
+    monkeypatch.setattr(listing_module, "check_links_first", lambda layout, raw: None)
     read_unchecked = best(first_read)
     print(f"\n10,000 keys: open + keys {opened:.2f} ms; open + first slice {read:.2f} ms "
           f"({read_unchecked:.2f} ms without the link check); the walk alone {walk:.3f} ms")

@@ -15,17 +15,21 @@ Quantized dtypes (``qint8``, ...) need a quantizer and are not supported.
 
 from __future__ import annotations
 
+import functools
+import sys
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ..errors import UnsupportedTypeError
 from .record import record
 
 if TYPE_CHECKING:
     import h5py  # imported where HDF5 types are made: a format-2 file is read without h5py
+    import torch  # imported where a tensor is made: a layout is listed without torch
+
+    REGISTRY: dict[torch.dtype, DtypeSpec]
 
 __all__ = ["DtypeSpec", "REGISTRY", "spec_for_torch", "spec_for_name", "spec_for_numpy", "bits_view"]
 
@@ -53,26 +57,32 @@ def _complex32() -> h5py.h5t.TypeCompoundID:
     return tid
 
 
-_BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 @record
 class DtypeSpec:
     """How one torch dtype is stored.
 
     Attributes:
-        torch_dtype: the torch dtype.
         name: its name in files (``"bfloat16"``), ``str(torch_dtype)`` without ``torch.``.
         itemsize: bytes per element.
         storage: ``"native"``, ``"float"`` or ``"raw"`` (see the module docstring).
         numpy_dtype: the numpy dtype with the same bytes and meaning, or None.
+        torch_dtype: the torch dtype (torch is imported on first use of this attribute: a
+            layout is read, and listed by the command line, without torch).
     """
 
-    torch_dtype: torch.dtype
     name: str
     itemsize: int
     storage: str
     numpy_dtype: np.dtype | None
+
+    @cached_property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        dtype = getattr(torch, self.name, None)
+        if not isinstance(dtype, torch.dtype):  # pragma: no cover - spec_for_name checks where torch is loaded
+            raise UnsupportedTypeError(f"dtype {self.name} is not one this torch ({torch.__version__}) has")
+        return dtype
 
     @cached_property
     def h5_type(self) -> h5py.h5t.TypeID:
@@ -94,71 +104,74 @@ _FLOAT_TYPES = {
 }
 
 _NATIVE = {
-    torch.bool: np.bool_,
-    torch.uint8: np.uint8,
-    torch.int8: np.int8,
-    torch.int16: np.int16,
-    torch.uint16: np.uint16,
-    torch.int32: np.int32,
-    torch.uint32: np.uint32,
-    torch.int64: np.int64,
-    torch.uint64: np.uint64,
-    torch.float16: np.float16,
-    torch.float32: np.float32,
-    torch.float64: np.float64,
-    torch.complex64: np.complex64,
-    torch.complex128: np.complex128,
+    "bool": "|b1", "uint8": "|u1", "int8": "|i1", "int16": "<i2", "uint16": "<u2", "int32": "<i4", "uint32": "<u4",
+    "int64": "<i8", "uint64": "<u8", "float16": "<f2", "float32": "<f4", "float64": "<f8", "complex64": "<c8",
+    "complex128": "<c16",
 }
-_FLOAT = (torch.bfloat16, torch.float8_e5m2, torch.complex32)
-_RAW_NAMES = (
-    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
-    "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
-    *(f"int{n}" for n in range(1, 8)), *(f"uint{n}" for n in range(1, 8)),
-)
+_FLOAT = {"bfloat16": 2, "float8_e5m2": 1, "complex32": 4}
+_RAW = {
+    **dict.fromkeys(("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
+                     "bits8", "bits1x8", "bits2x4", "bits4x2"), 1),
+    "bits16": 2,
+    **{f"int{n}": 1 for n in range(1, 8)}, **{f"uint{n}": 1 for n in range(1, 8)},
+}
+"""Names and element sizes of the dtypes stored as raw bits (torch's own sizes: a table here,
+so that files are read without importing torch)."""
 
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _build() -> dict[torch.dtype, DtypeSpec]:
-    table: dict[torch.dtype, DtypeSpec] = {}
-    for dt, npdt in _NATIVE.items():
-        table[dt] = DtypeSpec(dt, _name(dt), dt.itemsize, "native", np.dtype(npdt).newbyteorder("<"))
-    for dt in _FLOAT:
-        npdt = np.dtype([("r", "<f2"), ("i", "<f2")]) if dt is torch.complex32 else None
-        table[dt] = DtypeSpec(dt, _name(dt), dt.itemsize, "float", npdt)
-    for name in _RAW_NAMES:
-        dt = getattr(torch, name, None)
-        if isinstance(dt, torch.dtype):
-            table[dt] = DtypeSpec(dt, name, dt.itemsize, "raw", None)
+def _by_name() -> dict[str, DtypeSpec]:
+    table = {name: DtypeSpec(name, np.dtype(code).itemsize, "native", np.dtype(code)) for name, code in _NATIVE.items()}
+    for name, size in _FLOAT.items():
+        table[name] = DtypeSpec(name, size, "float", np.dtype([("r", "<f2"), ("i", "<f2")]) if name == "complex32" else None)
+    for name, size in _RAW.items():
+        table[name] = DtypeSpec(name, size, "raw", None)
     return table
 
 
-REGISTRY: dict[torch.dtype, DtypeSpec] = _build()
-"""Every storable torch dtype, keyed by dtype."""
+_BY_NAME: dict[str, DtypeSpec] = _by_name()
+_BY_NUMPY: dict[np.dtype, DtypeSpec] = {spec.numpy_dtype: spec for spec in _BY_NAME.values() if spec.storage == "native"}
 
-_BY_NAME: dict[str, DtypeSpec] = {spec.name: spec for spec in REGISTRY.values()}
-_BY_NUMPY: dict[np.dtype, DtypeSpec] = {
-    spec.numpy_dtype: spec for spec in REGISTRY.values() if spec.storage == "native" and spec.numpy_dtype is not None
-}
+
+def _registry() -> dict[torch.dtype, DtypeSpec]:
+    """Every spec of a dtype this torch has, keyed by dtype (made on first use: it imports torch)."""
+    import torch
+
+    table = {}
+    for name, spec in _BY_NAME.items():
+        dtype = getattr(torch, name, None)
+        if isinstance(dtype, torch.dtype):
+            assert dtype.itemsize == spec.itemsize, name
+            table[dtype] = spec
+    return table
+
+
+def __getattr__(name: str) -> Any:
+    if name == "REGISTRY":  # every storable torch dtype, keyed by dtype (imports torch)
+        value = globals()["REGISTRY"] = _registry()
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def spec_for_torch(dtype: torch.dtype, key: str = "") -> DtypeSpec:
     """The spec of a torch dtype. Raises UnsupportedTypeError (naming ``key``) if it cannot be stored."""
-    try:
-        return REGISTRY[dtype]
-    except KeyError:
-        where = f" at key {key!r}" if key else ""
-        raise UnsupportedTypeError(
-            f"tensor dtype {dtype}{where} cannot be stored (quantized tensors need a quantizer); "
-            "dequantize it or convert it to a plain dtype first"
-        ) from None
+    spec = _BY_NAME.get(str(dtype).removeprefix("torch."))
+    if spec is not None and spec.torch_dtype is dtype:
+        return spec
+    where = f" at key {key!r}" if key else ""
+    raise UnsupportedTypeError(
+        f"tensor dtype {dtype}{where} cannot be stored (quantized tensors need a quantizer); "
+        "dequantize it or convert it to a plain dtype first"
+    )
 
 
 def spec_for_name(name: str) -> DtypeSpec | None:
-    """The spec whose file name is ``name`` (``"bfloat16"``), or None if unknown."""
-    return _BY_NAME.get(name)
+    """The spec whose file name is ``name`` (``"bfloat16"``), or None if unknown (also where
+    torch is loaded and has no such dtype: an older torch than the file's writer)."""
+    spec = _BY_NAME.get(name)
+    torch = sys.modules.get("torch")
+    if spec is not None and torch is not None and not isinstance(getattr(torch, name, None), torch.dtype):
+        return None
+    return spec
 
 
 def spec_for_numpy(dtype: np.dtype) -> DtypeSpec | None:
@@ -178,5 +191,12 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
     Copies of such views work for every dtype, also those without copy kernels (uint4, ...).
     complex128 (16 bytes) has no such integer type and is returned as it is.
     """
-    bits = _BITS_DTYPES.get(t.element_size())
+    bits = _bits_dtypes().get(t.element_size())
     return t if bits is None or t.dtype == bits else t.view(bits)
+
+
+@functools.cache
+def _bits_dtypes() -> dict[int, torch.dtype]:
+    import torch
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -977,8 +977,9 @@ def _parse_entry_v2(item: Any, path: str, kind: str, layout: Layout, i: int) -> 
 
 
 def _differentiable(spec: DtypeSpec) -> bool:
-    """True for dtypes that can require grad (floating point and complex)."""
-    return spec.torch_dtype.is_floating_point or spec.torch_dtype.is_complex
+    """True for dtypes that can require grad (floating point and complex; told by the name, as
+    torch's ``is_floating_point``/``is_complex`` would: no torch import to list a layout)."""
+    return spec.name.startswith(("float", "bfloat", "complex"))
 
 
 def parse_module_metadata(data: Any) -> dict[str, dict[str, Any]]:

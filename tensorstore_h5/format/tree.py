@@ -8,14 +8,15 @@ inverts it exactly (see docs/FORMAT.md, "Keys").
 from __future__ import annotations
 
 import base64
+import functools
 import math
 import re
+import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..errors import UnsupportedTypeError
 from .record import record
@@ -133,10 +134,13 @@ def encode_value(value: Any, path: str) -> Any:
         return {"complex": [encode_value(value.real, path), encode_value(value.imag, path)]}
     if t is bytes:
         return {"bytes": base64.b64encode(value).decode("ascii")}
-    if t is torch.dtype:
-        return {"torch.dtype": str(value).removeprefix("torch.")}
-    if t is torch.Size:
-        return {"torch.Size": list(value)}
+    if t.__module__ == "torch":  # (a value of torch's means torch is imported: no import here)
+        import torch
+
+        if t is torch.dtype:
+            return {"torch.dtype": str(value).removeprefix("torch.")}
+        if t is torch.Size:
+            return {"torch.Size": list(value)}
     if isinstance(value, np.generic) and t is type(value) and value.dtype.kind in _NP_KINDS and value.dtype.itemsize <= 16 \
             and value.dtype != np.longdouble and value.dtype != np.clongdouble:
         return {"numpy": value.dtype.str, "value": encode_value(value.item(), path)}
@@ -165,9 +169,11 @@ def decode_value(data: Any) -> Any:
                     return complex(re_, im)
             if tag == "bytes" and type(arg) is str:
                 return base64.b64decode(arg, validate=True)
-            if tag == "torch.dtype" and type(arg) is str and arg in _TORCH_DTYPES:
-                return _TORCH_DTYPES[arg]
+            if tag == "torch.dtype" and type(arg) is str and arg in _torch_dtypes():
+                return _torch_dtypes()[arg]
             if tag == "torch.Size" and type(arg) is list and all(type(n) is int for n in arg):
+                import torch
+
                 return torch.Size(arg)
         elif set(data) == {"numpy", "value"} and type(data["numpy"]) is str:
             dt = numpy_dtype(data["numpy"])
@@ -180,9 +186,14 @@ def decode_value(data: Any) -> Any:
     raise ValueError(f"unrecognised value encoding {data!r}")
 
 
-_TORCH_DTYPES = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
-"""torch's dtypes by attribute name: a stored name is looked up here, never with getattr on
-the torch module (whose lazy attributes import submodules)."""
+@functools.cache
+def _torch_dtypes() -> dict[str, Any]:
+    """torch's dtypes by attribute name: a stored name is looked up here, never with getattr on
+    the torch module (whose lazy attributes import submodules). Imports torch (a layout of
+    plain values is listed without it)."""
+    import torch
+
+    return {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
 
 _NUMPY_NAME = r"[<>|=]?[biufc](1|2|4|8|16)"
 
@@ -268,13 +279,19 @@ def _flatten(obj: Any, path: str, key: Any, out: list[Container | Leaf], active:
             for i, v in enumerate(obj):
                 _flatten(v, join(path, str(i)), None, out, active)
         active.discard(id(obj))
-    elif isinstance(obj, torch.Tensor):
+    elif _is_tensor(obj):
         out.append(Leaf(path, key, obj))
     elif t is np.ndarray:
         out.append(Leaf(path, key, obj))
     else:
         encode_value(obj, path)  # validates
         out.append(Leaf(path, key, obj))
+
+
+def _is_tensor(obj: Any) -> bool:
+    """isinstance(obj, torch.Tensor), without importing torch where no tensor can be."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
 
 
 def _module_metadata(obj: Any, path: str) -> dict[str, dict[str, Any]] | None:

@@ -12,7 +12,6 @@ before any byte of a dataset is read. How bytes are read is the read planner's
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 
 from ..display import human_bytes
 from ..errors import FormatError, KeyNotFoundError
-from ..format import checksum, tree
+from ..format import tree
 from ..format import layout as fmt
 from ..format.layout import ArrayEntry, Chunked, Container, Layout, TensorEntry, ValueEntry
 from ..format.slicing import contiguous_stride, select as select_index
@@ -28,8 +27,9 @@ from ..format.tree import Leaf
 from ..storage import Deferred, files, memory
 from ..transfer import Device
 from .many import Reader
-from .select import Selector, closest, resolve
-from .tensors import checking, data_bytes, touched
+from .listing import Listing, layout_v2
+from .select import Selector, resolve
+from .tensors import checking, touched
 
 # a local format-2 file is opened and read without either (their imports are most of a fresh open)
 libhdf5: Any = Deferred(f"{__package__.rpartition('.')[0]}.storage.libhdf5", globals(), "libhdf5")
@@ -204,35 +204,7 @@ class TensorHandle(EntryView):
         return f"<TensorHandle {e.path!r} shape={list(e.shape)} dtype={dtype} {human_bytes(e.nbytes)}>"
 
 
-def check_links_first(layout: Layout, raw: Any) -> None:
-    """Make the first use of ``layout``'s entries (any read, ``load``, ``info``, ``in``)
-    compare the HDF5 part of ``raw``'s file with it (:func:`libhdf5.link_changes`) and raise
-    :func:`~..format.layout.changed_error` where they differ; later uses cost nothing. Opening
-    a file and listing its keys read no HDF5 metadata and import no libhdf5 code (the open of
-    10,000 keys is benchmarked)."""
-    ref = weakref.ref(layout)  # (the layout keeps these functions: no cycle through them)
-
-    def first(name: str) -> Any:
-        method = getattr(type(layout), name)
-
-        def checked(*args: Any, **kwargs: Any) -> Any:
-            owner = ref()
-            assert owner is not None
-            result = method(owner, *args, **kwargs)  # the layout's own checks first (damaged or overlapping entries)
-            seen = libhdf5.link_changes(raw, owner)
-            if seen is not None:
-                raise fmt.changed_error(owner.file, seen)
-            owner.__dict__.pop("entry", None)  # checked: the class's own methods again
-            owner.__dict__.pop("select", None)
-            return result
-
-        return checked
-
-    layout.entry = first("entry")  # type: ignore[method-assign]
-    layout.select = first("select")  # type: ignore[method-assign]
-
-
-class Store:
+class Store(Listing):
     """A tensorstore_h5 (or plain HDF5) file opened read-only. Nothing is read until asked for.
 
     Example::
@@ -259,7 +231,8 @@ class Store:
             raw = files.RawFile(local) if local is not None else remote.open_source(path, storage_options)
             try:
                 with memory.gc_paused():  # a layout of many keys is many new objects, none in a cycle
-                    self._layout, file = self._open(raw)  # file: the h5py.File of a format-1 or foreign file
+                    layout, file = self._open(raw)  # file: the h5py.File of a format-1 or foreign file
+                    self._list(layout)
                 break
             except FileExistsError:
                 raw.close()
@@ -269,21 +242,12 @@ class Store:
         else:
             raise FormatError(f"{self.path}: the file kept being replaced while it was opened")
         self._reader = Reader(self.path, raw, file)
-        self._leaf_paths = self._layout.leaf_paths
-        self._container_paths = self._layout.container_paths
 
     def _open(self, raw: Any) -> tuple[Layout, Any]:
         """The layout of the file ``raw`` reads, and its h5py file (None for format 2)."""
         head = raw.head(fmt.HEADER_SIZE)
         if head[:8] == fmt.MAGIC:
-            header = fmt.parse_header(head, self.path, raw.size, hdf5_eof=lambda: libhdf5.superblock_eof(raw))
-            text = raw.read(header.layout_offset, header.layout_length)
-            if checksum.digest(text) != header.layout_hash:
-                raise FormatError(f"{self.path}: damaged layout (checksum mismatch)")
-            layout = fmt.parse_layout_v2(text, self.path, raw.size, header.layout_offset, version=header.version)
-            if isinstance(raw, files.RawFile):  # before any entry is used, the HDF5 links are compared with it
-                check_links_first(layout, raw)
-            return layout, None
+            return layout_v2(raw, self.path, head), None
         other = _other_format(head)
         if other:
             what, suffix = other
@@ -299,21 +263,7 @@ class Store:
             file.close()
             raise
 
-    # -- mapping-like view ---------------------------------------------------------------
-
-    def keys(self) -> list[str]:
-        """Key paths of every leaf, in saved order."""
-        return list(self._leaf_paths)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._leaf_paths)
-
-    def __len__(self) -> int:
-        return len(self._leaf_paths)
-
-    def __contains__(self, key: object) -> bool:
-        e = self._layout.entry(key) if isinstance(key, str) else None
-        return e is not None and not isinstance(e, Container)
+    # -- reading (the mapping-like view is the Listing's) ----------------------------------
 
     def __getitem__(self, key: str) -> Any:
         """A :class:`TensorHandle` for a tensor leaf; the value for other leaves (numpy arrays are read).
@@ -324,31 +274,6 @@ class Store:
         if isinstance(entry, TensorEntry):
             return TensorHandle(self, entry)
         return self._reader.read_leaf(entry, {}, None, None, None, False)
-
-    def _entry(self, key: str) -> Any:
-        entry = self._layout.entry(key)
-        if entry is None or isinstance(entry, Container):
-            if entry is not None:
-                raise KeyNotFoundError(f"{self.path}: {key!r} is a container, not a leaf; use store.load(select={key!r})")
-            near = closest(key, self._leaf_paths)
-            hint = f"; closest keys: {', '.join(map(repr, near))}" if near else ""
-            raise KeyNotFoundError(f"{self.path}: no key {key!r}{hint}")
-        return entry
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        """The user metadata given to save (a copy)."""
-        return dict(self._layout.metadata)
-
-    @property
-    def format_version(self) -> int | None:
-        """The tensorstore_h5 format version, or None for a foreign HDF5 file."""
-        return self._layout.version
-
-    @property
-    def nbytes(self) -> int:
-        """Total bytes of tensor and array data (aliased tensors counted once)."""
-        return sum(data_bytes(e) for e in self._layout.leaves)
 
     def info(self) -> dict[str, Any]:
         """Totals and, per tensor with data of its own, dtype, shape, bytes, bytes on disk,
@@ -405,22 +330,12 @@ class Store:
         included = resolve(select, self._leaf_paths, self._container_paths, self.path)
         yield from self._reader.walk(self._layout.select(included), verify)
 
-    def nbytes_of(self, select: Selector = None) -> int:
-        """Bytes of tensor and array data that ``select`` picks (tied tensors counted once)."""
-        included = resolve(select, self._leaf_paths, self._container_paths, self.path)
-        return sum(data_bytes(e) for e in self._layout.select(included) if not isinstance(e, Container))
-
     def stats(self, select: Selector = None, **options: Any) -> Any:
         """Per-tensor ``mean``, ``std``, ``min``, ``max``, ``nan``, ``inf``, ``zeros``, streaming
         (:func:`tensorstore_h5.reading.compare.stats`)."""
         from .compare import stats
 
         return stats(self, select, **options)
-
-    def selected_keys(self, select: Selector = None) -> list[str]:
-        """The leaf key paths that ``select`` picks, in saved order (see :meth:`load`)."""
-        included = resolve(select, self._leaf_paths, self._container_paths, self.path)
-        return [p for p in self._leaf_paths if p in included]
 
     def load(self, select: Selector = None, device: Device = None, progress: bool | None = None, *,
              mmap: bool = False, verify: bool | None = None) -> Any:
@@ -491,13 +406,6 @@ class Store:
             else:
                 rows.append(TreeRow(e.path, f"unsupported: {e.reason}"))
         return tree_html(repr(self), rows)
-
-    def __repr__(self) -> str:
-        n_t = sum(1 for e in self._layout.leaves if isinstance(e, TensorEntry))
-        version = f"v{self._layout.version}" if self._layout.version else "foreign HDF5"
-        state = ", closed" if self.closed else ""
-        return f"<tensorstore_h5.Store {self.path!r} ({version}, {len(self)} keys, {n_t} tensors, {human_bytes(self.nbytes)}{state})>"
-
 
 def _other_format(head: bytes) -> tuple[str, str] | None:
     """``(what, suffix)`` for a file that is neither tensorstore_h5 nor HDF5 but looks like a

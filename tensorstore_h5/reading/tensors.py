@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 decoders: Any = Deferred(f"{__package__.rpartition('.')[0]}.codecs.decoders", globals(), "decoders")
 libhdf5: Any = Deferred(f"{__package__.rpartition('.')[0]}.storage.libhdf5", globals(), "libhdf5")
 from ..transfer import Device
+from .listing import data_bytes
 
-__all__ = ["TensorReader", "READ_ERRORS", "checking", "data_bytes"]
+__all__ = ["TensorReader", "READ_ERRORS", "checking", "data_bytes"]  # (data_bytes: .listing's)
 
 def _by_hdf5(where: Any) -> bool:
     """True for the location of a dataset that only libhdf5 reads (an ``HDF5Read``), told
@@ -590,10 +591,3 @@ def touched(entry: TensorEntry, sel: Selection) -> tuple[int, int]:
     first = sel.start[0]
     last = first + (sel.count[0] - 1) * sel.step[0] + 1
     return first * row, last * row
-
-
-def data_bytes(entry: Any) -> int:
-    """Bytes a leaf reads from the file (0 for plain values and aliases)."""
-    if isinstance(entry, ArrayEntry) or (isinstance(entry, TensorEntry) and entry.same_as is None):
-        return entry.nbytes
-    return 0

@@ -18,14 +18,15 @@ import os
 import stat
 import weakref
 from collections.abc import Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..display import human_bytes
 from ..errors import (
     FileAccessError, FormatError, InvalidPathError, MissingFileError, NotRegularFileError, PathError,
 )
+
+if TYPE_CHECKING:
+    import torch  # imported by the mapped reads only: a layout is listed without torch
 
 __all__ = [
     "MAX_JSON_BYTES", "path_error", "check_path", "open_regular", "read_small",
@@ -356,6 +357,8 @@ class RawFile(Source):
             raise EOFError(f"{self.path}: file ends before byte {offset + nbytes} (truncated?)")
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         mapping = mmap.mmap(self._fileno(), nbytes + offset - start, offset=start, access=mmap.ACCESS_COPY)
+        import torch
+
         flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset - start)
         return flat.view(dtype).reshape(shape)
 
@@ -401,6 +404,8 @@ class FileMap:
             raise EOFError(f"{raw.path}: file ends before byte {offset + nbytes} (truncated?)")
         if self._whole is None:
             mapping = mmap.mmap(raw._fileno(), raw.size, access=mmap.ACCESS_COPY)
+            import torch
+
             self._whole = torch.frombuffer(mapping, dtype=torch.uint8)
         return self._whole[offset:offset + nbytes].view(dtype).view(shape)
 

@@ -28,18 +28,19 @@ import math
 import os
 import struct
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ..errors import FormatError
 from ..format import layout as fmt
 from ..format.dtypes import bits_view, spec_for_numpy
 from ..format.layout import ArrayEntry, Chunked, Container, Contiguous, Extent, ForeignEntry, Layout, TensorEntry
+from ..format.record import record
 from ..format.slicing import Selection, rows
-from .memory import tensor_bytes
+
+if TYPE_CHECKING:
+    import torch  # (the link reader, which a listing runs, needs no torch; the reads get tensors)
 
 __all__ = ["H5_ERRORS", "HDF5Read", "open_file", "read_layout", "foreign_layout", "locate", "verify_layout",
            "BLOCK_BYTES", "read_hdf5", "write_hdf5", "row_blocks", "write_tensor", "superblock_eof",
@@ -65,7 +66,7 @@ _BUILTIN_FILTERS = {1: "deflate", 2: "shuffle", 3: "fletcher32"}
 """HDF5's own filters, accepted in foreign files (read by HDF5, with bounded output)."""
 
 
-@dataclass(frozen=True)
+@record
 class HDF5Read:
     """A dataset that only HDF5 reads (compact data, HDF5's own filters, or values HDF5
     converts): checked, with its open dataset."""
@@ -400,12 +401,16 @@ def read_hdf5(dsid: h5py.h5d.DatasetID, mtype: h5py.h5t.TypeID, out: torch.Tenso
     if out.numel() == 0:
         return
     mspace, fspace = _spaces(sel, dsid)
+    from .memory import tensor_bytes  # (memory imports torch: the link reader, which a listing runs, does not)
+
     dsid.read(mspace, fspace, tensor_bytes(out), mtype=mtype)
 
 
 def write_hdf5(dsid: h5py.h5d.DatasetID, mtype: h5py.h5t.TypeID, src: torch.Tensor, sel: Selection | None = None) -> np.ndarray:
     """Write ``src`` (contiguous, CPU) into the selection (all of the dataset by default);
     returns the bytes written (a uint8 view of ``src``)."""
+    from .memory import tensor_bytes
+
     data = tensor_bytes(src)
     if src.numel():
         mspace, fspace = _spaces(sel, dsid)

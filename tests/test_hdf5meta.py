@@ -419,10 +419,10 @@ def test_libhdf5_changes_a_dense_group_written_here(tmp_path) -> None:
         assert g["renamed"][0] == 500 and "w500" not in g and "w5" not in g
 
 
-def test_a_group_too_big_for_one_leaf_keeps_its_links_in_its_header(tmp_path, monkeypatch) -> None:
-    """Writer used key by key cannot choose libhdf5 ahead of time: a group of more than
-    MAX_DENSE_LINKS links (or with a name too long for the heap) keeps compact links, which
-    libhdf5 reads as well."""
+def test_a_group_past_the_dense_limits_keeps_its_links_in_its_header(tmp_path, monkeypatch) -> None:
+    """A group of more than MAX_DENSE_LINKS links (a guard: 16,777,216), or with a name too long
+    for the heap, keeps compact links, which libhdf5 reads as well. (Groups of very many links
+    in dense storage: tests/test_hdf5meta_large.py.)"""
     monkeypatch.setattr(hdf5meta, "MAX_DENSE_LINKS", 100)
     with th5.Writer(tmp_path / "f.h5") as w:
         for i in range(101):
@@ -435,22 +435,6 @@ def test_a_group_too_big_for_one_leaf_keeps_its_links_in_its_header(tmp_path, mo
         assert len(f["big"]) == 101 and f["big/w100"][0] == 100 and f["long"]["y" * 5000 + "3"][0] == 3
     out = th5.load(tmp_path / "f.h5", verify=True)
     assert len(out["big"]) == 101 and len(out["long"]) == 70
-
-
-def test_the_largest_dense_group_is_read_and_extended_by_libhdf5(tmp_path) -> None:
-    """A group of exactly MAX_DENSE_LINKS links (a B-tree leaf at the largest node size whose
-    capacity libhdf5 counts in 2 bytes) is dense, h5py finds its names, and adding one more
-    link (a split of that full leaf) leaves every name found."""
-    n = hdf5meta.MAX_DENSE_LINKS
-    th5.save({"g": {f"w{i}": torch.tensor(i, dtype=torch.int32) for i in range(n)}}, tmp_path / "f.h5")
-    assert _encoded(tmp_path / "f.h5") and _link_info(tmp_path / "f.h5", "g")[1] != 2**64 - 1
-    with h5py.File(tmp_path / "f.h5", "a") as f:
-        g = f["g"]
-        assert len(g) == n and g["w0"][()] == 0 and g[f"w{n - 1}"][()] == n - 1 and g["w12345"][()] == 12345
-        g.create_dataset("extra", data=np.int32(-1))
-    with h5py.File(tmp_path / "f.h5", "r") as f:
-        g = f["g"]
-        assert len(g) == n + 1 and g["extra"][()] == -1 and all(g[f"w{i}"][()] == i for i in range(0, n, 997))
 
 
 def _without_layout(dump: str) -> list[str]:

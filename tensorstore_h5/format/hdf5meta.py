@@ -6,9 +6,10 @@ all of it. A file whose datasets are all contiguous and uncompressed needs few k
 metadata, which :class:`Builder` encodes after the data is written (docs/FORMAT.md, "The
 HDF5 part"): a version-3 superblock, and version-2 object headers (checksummed with Jenkins'
 lookup3, as HDF5 does) for groups, with their links in the header or, in groups of more
-than :data:`DENSE_LINKS` links, in a fractal heap indexed by a B-tree of name hashes, and for
-datasets, with dataspace, datatype, fill value, contiguous layout, reference count (hard links)
-and attributes. Datatype and fill-value messages are the bytes libhdf5 itself writes for the same
+than :data:`DENSE_LINKS` links, in a fractal heap indexed by a B-tree of name hashes (for a
+large group, a heap of many blocks and a B-tree of many levels, as libhdf5 lays out its own:
+:data:`ONE_BLOCK`), and for datasets, with dataspace, datatype, fill value, contiguous
+layout, reference count (hard links) and attributes. Datatype and fill-value messages are the bytes libhdf5 itself writes for the same
 type, taken once per type from a dataset it creates in memory.
 
 Addresses in HDF5 metadata are relative to the superblock (``base``); every address this
@@ -44,13 +45,33 @@ DENSE_LINKS = 64
 """Groups of more links than this keep them in a fractal heap indexed by a version-2 B-tree
 of their names' hashes ("dense" storage, as libhdf5 does above 8 links) instead of in the
 group's object header, where libhdf5 finds a name by a linear scan (in a group of 20,000
-links, 0.233 ms a lookup through h5py in the header, 0.082 in dense storage written here,
-0.089 in libhdf5's own)."""
+links, 0.233 ms a lookup through h5py in the header, 0.089 in libhdf5's own dense storage;
+at 50,000 links, 1,000 lookups of random names through h5py took 236 ms in the header,
+10-13 ms in dense storage written here, as in libhdf5's own: bench/large_groups.py)."""
 
-MAX_DENSE_LINKS = (2**19 - 10) // 11
-"""The most links (47,661) of a dense group encoded here: its name index is one B-tree leaf,
-whose capacity libhdf5 must be able to count in 2 bytes (so a node of at most 2**19 bytes of
-11-byte records). A group of more links keeps them in its header."""
+MAX_DENSE_LINKS = 2**24
+"""The most links (16,777,216) of a group encoded here in dense storage; a group of more keeps
+them in its header. A guard, not a limit of the encoding: dense storage has any number of
+B-tree levels, and its heap holds 4 GiB of link messages, as libhdf5's does (a group whose
+links overflow it keeps them in its header too)."""
+
+ONE_BLOCK = 1 << 15
+"""A dense group whose link messages fit a block of this many bytes (some 1,000 links) keeps
+them in one direct block, the root of its heap (a power of two of at least 512 bytes), and one
+whose name index fits a B-tree node of this many bytes (2,978 links) keeps it in one leaf
+(a power of two of at least 512 bytes). Larger ones are laid out as libhdf5 lays out its own:
+heap blocks of at most 64 KiB under indirect blocks, and a B-tree of :data:`NAME_NODE`-byte
+nodes. (A direct block is a single entry of libhdf5's metadata cache, read and checksummed
+whole when the cache lets it go: a root block of 64 MiB, for 1.2 million links, made a
+lookup take 95 ms. A root block of 64 KiB or more also leaves libhdf5 a heap it cannot grow
+past eight blocks: its indirect rows would be of zero rows, and h5py adding links crashed.)"""
+
+NAME_NODE = 512
+"""Bytes of a node of the name index of a dense group too large for one leaf: libhdf5's own
+(``H5G_NAME_BT2_NODE_SIZE``; split at 100 %, merged at 40 %, as here). Measured through h5py
+on 50,000 links, nodes of 512 and 4,096 bytes were as fast as libhdf5's own index, nodes of
+16-128 KiB up to 5 times slower (a node the metadata cache lets go is read and decoded
+again whole)."""
 
 _MAX_MANAGED = 4096  # libhdf5's largest object in a link heap (H5G_FHEAP_MAX_MAN_SIZE); larger: "huge" objects
 _HEAP_HEADER = struct.Struct("<4sBHHBIQQQQQQQQQQQQHQQHHQH")  # a fractal heap header (version 0), but its checksum
@@ -276,43 +297,250 @@ def _link_head(name: str) -> bytes:
     return struct.pack("<BHB", _LINK, len(body) + 8, 0) + body
 
 
-def _dense_links(names: list[str], links: list[bytes], at: int) -> tuple[bytes, int, int] | None:
-    """Dense storage of a group's links, laid out from ``at`` (relative to the superblock):
-    ``(bytes, address of the fractal heap, address of the name index)``, or None where it
-    does not fit the one direct block and one B-tree leaf written here.
+def _enc_size(n: int) -> int:
+    """Bytes libhdf5 stores a count of up to ``n`` in (``H5VM_limit_enc_size``)."""
+    return (max(n, 1).bit_length() - 1) // 8 + 1
 
-    ``links`` are the encoded link messages (without message headers) of the link ``names``.
-    The heap is a single direct block (the root, a power of two of at least 512 bytes holding
-    every link), the index a version-2 B-tree (type 5) of depth 0: one leaf of records (name
-    hash, heap ID) sorted by hash, then name, as libhdf5 compares them. No free-space manager:
-    libhdf5 appends new links in new blocks.
+
+def _node_info(node: int, rsize: int, depth: int) -> list[tuple[int, int, int]]:
+    """``(max records, max records of its subtree, bytes of a pointer to one of its children)``
+    of a node at each level ``0..depth`` of a version-2 B-tree of ``node``-byte nodes and
+    ``rsize``-byte records, as libhdf5 computes them (``H5B2__hdr_init``, whose values it reads
+    the nodes with): a leaf holds ``(node - 10) // rsize`` records; an internal node at level
+    ``d`` holds ``m`` records and ``m + 1`` child pointers of an address, the child's record
+    count (in the width of a leaf's max) and, for ``d > 1``, the records of the child's subtree
+    (in the width of the subtree max of level ``d - 1``)."""
+    leaf = (node - 10) // rsize
+    nrec_size = _enc_size(leaf)
+    out = [(leaf, leaf, 0)]
+    for d in range(1, depth + 1):
+        pointer = 8 + nrec_size + (_enc_size(out[d - 1][1]) if d > 1 else 0)
+        m = (node - 10 - pointer) // (rsize + pointer)
+        out.append((m, (m + 1) * out[d - 1][1] + m, pointer))
+    return out
+
+
+def _btree(records: list[bytes], btype: int, node: int, at: int) -> tuple[bytes, int, int, int]:
+    """The nodes of a version-2 B-tree of ``node``-byte nodes holding the sorted ``records`` (of
+    one length), laid out from ``at``: ``(bytes, root address, records in the root, depth)``.
+
+    The depth is the least whose subtree max holds them all. A subtree's records are split
+    evenly among the fewest children that hold them, a record between each two children kept
+    in their parent (an internal node's records are records of the tree, in order between its
+    children's, not copies of theirs), so that every node but the root is at least half full,
+    above libhdf5's merge threshold (40 %). Each node is padded to ``node`` bytes (libhdf5
+    reads it whole).
     """
-    if len(links) > MAX_DENSE_LINKS or max(map(len, links)) > _MAX_MANAGED:
-        return None  # (so the block stays far under libhdf5's 2 GiB and the leaf within 2**19 bytes)
-    raw = [n.encode("utf-8", "surrogatepass") for n in names]
+    depth = 0
+    while _node_info(node, len(records[0]), depth)[-1][1] < len(records):
+        depth += 1
+    info = _node_info(node, len(records[0]), depth)
+    nrec_size = _enc_size(info[0][0])
+    kind = bytes([0, btype])  # version 0, type
+    parts: list[bytes] = []
+    pos = at
+
+    def place(body: bytes) -> int:
+        nonlocal pos
+        where = pos
+        parts.append(body + lookup3(body).to_bytes(4, "little") + bytes(node - len(body) - 4))
+        pos += node
+        return where
+
+    def build(lo: int, n: int, d: int) -> tuple[int, int]:  # the subtree of records[lo:lo + n]: (address, records in its root)
+        if d == 0:
+            return place(b"BTLF" + kind + b"".join(records[lo:lo + n])), n
+        below = info[d - 1][1]
+        children = -(-(n + 1) // (below + 1))
+        share, extra = divmod(n - (children - 1), children)
+        keys, pointers = [], []
+        for i in range(children):
+            count = share + (i < extra)
+            child, nrec = build(lo, count, d - 1)
+            pointers.append(child.to_bytes(8, "little") + nrec.to_bytes(nrec_size, "little")
+                            + (count.to_bytes(_enc_size(below), "little") if d > 1 else b""))
+            lo += count
+            if i < children - 1:
+                keys.append(records[lo])
+                lo += 1
+        return place(b"BTIN" + kind + b"".join(keys) + b"".join(pointers)), children - 1
+
+    root, nroot = build(0, len(records), depth)
+    return b"".join(parts), root, nroot, depth
+
+
+# A link heap's doubling table, as libhdf5 creates it for a group (H5G_FHEAP_MAN_*): 4 entries
+# a row, direct blocks of 512 bytes to 64 KiB (two rows of 512, then doubling), heap offsets of
+# 32 bits. Rows of larger spans hold indirect blocks, of such rows themselves.
+_WIDTH, _START, _MAX_DIRECT, _HEAP_BITS = 4, 512, 1 << 16, 32
+_DIRECT_ROWS = _MAX_DIRECT.bit_length() - _START.bit_length() + 2  # rows of direct blocks in an indirect block (9)
+_ROOT_ROWS = _HEAP_BITS - (_START * _WIDTH).bit_length() + 2  # the most rows of the root indirect block (22)
+
+
+def _row_size(row: int) -> int:
+    """Heap bytes of one entry of ``row`` of an indirect block: a direct block's size, or the
+    span of a child indirect block."""
+    return _START if row == 0 else _START << (row - 1)
+
+
+def _row_offset(row: int) -> int:
+    """Heap offset of ``row``'s first entry from its indirect block's (the span of the rows
+    before it)."""
+    return 0 if row == 0 else (_START * _WIDTH) << (row - 1)
+
+
+def _child_rows(row: int) -> int:
+    """Rows of a child indirect block in ``row`` (``H5HF__dtable_size_to_rows``)."""
+    return row - _WIDTH.bit_length() + 1
+
+
+@functools.cache
+def _row_free(row: int) -> int:
+    """Bytes for objects in the direct blocks under one entry of ``row``, allocated or not:
+    libhdf5 counts them all as the free space of a heap whose root spans the row."""
+    if row < _DIRECT_ROWS:
+        return _row_size(row) - _DIRECT_PREFIX
+    return _WIDTH * sum(map(_row_free, range(_child_rows(row))))
+
+
+def _direct_blocks(offset: int, rows: int) -> Iterable[tuple[int, int]]:
+    """``(heap offset, size)`` of the direct blocks under an indirect block of ``rows`` rows at
+    heap ``offset``, in heap order: the order libhdf5 allocates them in."""
+    for row in range(rows):
+        size = _row_size(row)
+        for col in range(_WIDTH):
+            at = offset + _row_offset(row) + col * size
+            if row < _DIRECT_ROWS:
+                yield at, size
+            else:
+                yield from _direct_blocks(at, _child_rows(row))
+
+
+def _direct_block(heap_at: int, offset: int) -> bytearray:
+    """The start of a direct block at heap ``offset``: signature, version, heap address, block
+    offset (4 bytes) and a checksum to come (:func:`_sum_direct`)."""
+    return bytearray(b"FHDB\x00" + heap_at.to_bytes(8, "little") + offset.to_bytes(4, "little") + bytes(4))
+
+
+def _sum_direct(data: bytearray, size: int) -> bytes:
+    """The direct block ``data`` padded to ``size`` bytes, with its checksum (lookup3 of the
+    whole block, the checksum's bytes zero)."""
+    data += bytes(size - len(data))
+    data[_DIRECT_PREFIX - 4:_DIRECT_PREFIX] = lookup3(bytes(data)).to_bytes(4, "little")
+    return bytes(data)
+
+
+def _one_block_heap(links: list[bytes], heap_at: int) -> tuple[bytes, list[bytes]]:
+    """A link heap whose root is one direct block holding every link (a power of two of at least
+    512 bytes, at most :data:`ONE_BLOCK`: libhdf5 grows it from there as a table of blocks of
+    up to 64 KiB): ``(header and block, heap ID of each link)``."""
     used = _DIRECT_PREFIX + sum(map(len, links))
-    block = max(512, 1 << (used - 1).bit_length())
-    node = max(512, 1 << (10 + 11 * len(links) - 1).bit_length())
-    heap_at = at
-    block_at = heap_at + _HEAP_HEADER.size + 4
-    index_at = block_at + block
-    leaf_at = index_at + _BTREE_HEADER.size + 4
+    block = max(_START, 1 << (used - 1).bit_length())
+    assert block < _MAX_DIRECT
     head = _HEAP_HEADER.pack(b"FRHP", 0, 7, 0, 0x02, _MAX_MANAGED, 0, _UNDEF, block - used, _UNDEF, block, block, block,
-                             len(links), 0, 0, 0, 0, 4, block, max(block, 1 << 16), 32, 1, block_at, 0)
+                             len(links), 0, 0, 0, 0, _WIDTH, block, _MAX_DIRECT, _HEAP_BITS, 1,
+                             heap_at + _HEAP_HEADER.size + 4, 0)
+    data = _direct_block(heap_at, 0)
     ids = []
-    data = bytearray(b"FHDB\x00" + heap_at.to_bytes(8, "little") + bytes(8))  # block offset 0, checksum to come
     for link in links:
         ids.append(b"\x00" + len(data).to_bytes(4, "little") + len(link).to_bytes(2, "little"))
         data += link
-    data += bytes(block - len(data))
-    data[_DIRECT_PREFIX - 4:_DIRECT_PREFIX] = lookup3(bytes(data)).to_bytes(4, "little")  # over the block, checksum 0
-    records = sorted(zip(lookup3_many(raw), raw, ids))
-    leaf = b"BTLF\x00\x05" + b"".join([h.to_bytes(4, "little") + i for h, _, i in records])
-    leaf += lookup3(leaf).to_bytes(4, "little")
-    index = _BTREE_HEADER.pack(b"BTHD", 0, 5, node, 11, 0, 100, 40, leaf_at, len(links), len(links))
-    blob = b"".join([head, lookup3(head).to_bytes(4, "little"), data, index, lookup3(index).to_bytes(4, "little"),
-                     leaf, bytes(node - len(leaf))])
-    return blob, heap_at, index_at
+    return b"".join([head, lookup3(head).to_bytes(4, "little"), _sum_direct(data, block)]), ids
+
+
+def _table_heap(links: list[bytes], heap_at: int) -> tuple[bytes, list[bytes]] | None:
+    """A link heap laid out as libhdf5 grows one for a group: a root indirect block of 1, 2, 4,
+    8, 16 or 22 rows (libhdf5 doubles it), direct blocks of 512 bytes to 64 KiB in its rows and
+    in those of indirect blocks below it, filled in libhdf5's order of allocation, each link in
+    the first that has room for it (a block too small for a link stays empty, as libhdf5 skips
+    it). ``(header and blocks, heap ID of each link)``, or None where the links overflow a heap
+    of 4 GiB. No free-space manager: libhdf5 adds new links in new blocks, from the heap's
+    allocation offset, and makes one at the first removal."""
+    filled: dict[int, tuple[int, bytearray]] = {}  # heap offset -> (size, contents) of each direct block
+    order = _direct_blocks(0, _ROOT_ROWS)
+    ids = []
+    offset = size = 0
+    data = bytearray()
+    for link in links:
+        while len(data) + len(link) > size:
+            offset, size = next(order, (0, 0))
+            if not size:
+                return None
+            data = filled.setdefault(offset, (size, _direct_block(heap_at, offset)))[1]
+        ids.append(b"\x00" + (offset + len(data)).to_bytes(4, "little") + len(link).to_bytes(2, "little"))
+        data += link
+    end = offset + size  # the heap offset of the next block libhdf5 allocates
+    rows = 1
+    while _row_offset(rows) < end:
+        rows = min(2 * rows, _ROOT_ROWS)
+    parts: list[bytes] = []
+    pos = heap_at + _HEAP_HEADER.size + 4
+
+    def indirect(offset: int, nrows: int) -> int:  # an indirect block and the blocks under it, from pos: its address
+        nonlocal pos
+        where = pos
+        body = bytearray(b"FHIB\x00" + heap_at.to_bytes(8, "little") + offset.to_bytes(4, "little"))
+        pos += len(body) + 8 * _WIDTH * nrows + 4
+        slot = len(parts)
+        parts.append(b"")
+        for row in range(nrows):
+            for col in range(_WIDTH):
+                at = offset + _row_offset(row) + col * _row_size(row)
+                if at >= end:  # not allocated yet
+                    child = _UNDEF
+                elif row < _DIRECT_ROWS:
+                    child = pos
+                    parts.append(_sum_direct(filled[at][1], _row_size(row)))
+                    pos += _row_size(row)
+                else:
+                    child = indirect(at, _child_rows(row))
+                body += child.to_bytes(8, "little")
+        parts[slot] = bytes(body) + lookup3(bytes(body)).to_bytes(4, "little")
+        return where
+
+    root = indirect(0, rows)
+    allocated = sum(size for size, _ in filled.values())
+    free = _WIDTH * sum(map(_row_free, range(rows))) - sum(map(len, links))
+    head = _HEAP_HEADER.pack(b"FRHP", 0, 7, 0, 0x02, _MAX_MANAGED, 0, _UNDEF, free, _UNDEF, _row_offset(rows), allocated,
+                             end, len(links), 0, 0, 0, 0, _WIDTH, _START, _MAX_DIRECT, _HEAP_BITS, 1, root, rows)
+    return b"".join([head, lookup3(head).to_bytes(4, "little"), *parts]), ids
+
+
+def _dense_links(names: list[str], links: list[bytes], at: int) -> tuple[bytes, int, int] | None:
+    """Dense storage of a group's links, laid out from ``at`` (relative to the superblock):
+    ``(bytes, address of the fractal heap, address of the name index)``, or None where it does
+    not fit (more than :data:`MAX_DENSE_LINKS` links, a link message over 4,096 bytes, or
+    links that overflow the heap).
+
+    ``links`` are the encoded link messages (without message headers) of the link ``names``.
+    The heap is one direct block or libhdf5's table of blocks (:data:`ONE_BLOCK`), holding the
+    links in the order of the index's records (a walk of the index, as libhdf5 does to list a
+    group's names, reads the blocks in turn, where in libhdf5's own heap, in creation order,
+    it reads them across at random: 125 against 326 ms for 120,000 names through h5py), the
+    index a version-2 B-tree (type 5) of records (name hash, heap ID) sorted by hash, then
+    name, as libhdf5 compares them (``strcmp``), of one leaf or of :data:`NAME_NODE`-byte
+    nodes (:func:`_btree`).
+    """
+    if len(links) > MAX_DENSE_LINKS or max(map(len, links)) > _MAX_MANAGED:
+        return None
+    raw = [n.encode("utf-8", "surrogatepass") for n in names]
+    hashes = lookup3_many(raw)
+    order = sorted(range(len(links)), key=lambda i: (hashes[i], raw[i]))
+    links = [links[i] for i in order]  # the heap in the index's order
+    if _DIRECT_PREFIX + sum(map(len, links)) <= ONE_BLOCK:
+        heap, ids = _one_block_heap(links, at)
+    else:
+        table = _table_heap(links, at)
+        if table is None:
+            return None
+        heap, ids = table
+    records = [hashes[i].to_bytes(4, "little") + heap_id for i, heap_id in zip(order, ids)]
+    leaf = 10 + 11 * len(records)
+    node = max(512, 1 << (leaf - 1).bit_length()) if leaf <= ONE_BLOCK else NAME_NODE
+    index_at = at + len(heap)
+    nodes, root, nroot, depth = _btree(records, 5, node, index_at + _BTREE_HEADER.size + 4)
+    index = _BTREE_HEADER.pack(b"BTHD", 0, 5, node, 11, depth, 100, 40, root, nroot, len(records))
+    return b"".join([heap, index, lookup3(index).to_bytes(4, "little"), nodes]), at, index_at
 
 
 class _Dataset:

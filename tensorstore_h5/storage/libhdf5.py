@@ -714,7 +714,7 @@ class _Links:
         bsig, _bv, btype, node, rsize, depth, _split, _merge, broot, nroot, total = _BTREE_HEADER.unpack_from(b)
         if sig != b"FRHP" or version != 0 or bsig != b"BTHD" or btype != 5 or filter_len:
             raise _Unparsed(f"a dense group's link heap at byte {self.base + heap_at} is not one libhdf5 writes for links")
-        if space_manager == _UNDEF and not holds_groups and depth == 0 and rows == 0 and total == objects + tiny:
+        if space_manager == _UNDEF and not holds_groups and total == objects + tiny:  # (any heap or index shape)
             return total, []
         if huge and not holds_groups:  # names of over 4 KiB, kept outside the heap's blocks: counted only
             return total, []

@@ -69,12 +69,11 @@ written after the data (2,000 groups and 6,000 small datasets: ~25 ms instead of
 ~250-300 ms). False: libhdf5 writes it, as it does for files with compressed datasets."""
 
 ENCODED_LINKS = hdf5meta.MAX_DENSE_LINKS
-"""The most links (47,661) of one group in a file whose HDF5 metadata hdf5meta encodes: it
-indexes a group of more than :data:`hdf5meta.DENSE_LINKS` links by one B-tree leaf, as
-libhdf5 finds names fastest, and that leaf has room for this many. :func:`save` of a tree
-with a bigger group lets libhdf5 write the metadata instead; :class:`Writer` used key by key
-keeps such a group's links in its header (correct, but libhdf5 finds a name there by a
-linear scan)."""
+"""The most links (2**24) of one group in a file whose HDF5 metadata hdf5meta encodes: it
+indexes a group of more than :data:`hdf5meta.DENSE_LINKS` links by a B-tree of name hashes
+(as many levels of 512-byte nodes as libhdf5 would make) over a fractal heap, as libhdf5
+does. :func:`save` of a tree with a bigger group lets libhdf5 write the metadata instead;
+:class:`Writer` used key by key keeps such a group's links in its header."""
 
 
 def _lcpl() -> h5py.h5p.PropLCID:

@@ -22,7 +22,7 @@ from ..format.layout import ArrayEntry, Container, Layout, TensorEntry
 from ..storage import Deferred, files
 from .select import Selector, closest, resolve
 
-__all__ = ["Listing", "check_links_first", "layout_v2", "data_bytes"]
+__all__ = ["LayoutView", "Listing", "check_links_first", "layout_v2", "data_bytes"]
 
 libhdf5: Any = Deferred(f"{__package__.rpartition('.')[0]}.storage.libhdf5", globals(), "libhdf5")  # on first use
 
@@ -77,18 +77,59 @@ def layout_v2(raw: Any, path: str, head: bytes) -> Layout:
     return layout
 
 
-class Listing:
+class LayoutView:
+    """The mapping-like view of a parsed layout (``_layout``: a file's :class:`Layout` or a
+    directory's index, each with ``leaf_paths``, ``container_paths``, ``entry`` and
+    ``metadata``) that every store shares: keys, membership, entries, ``select=``."""
+
+    path: str
+    _layout: Any
+
+    def keys(self) -> list[str]:
+        """Key paths of every leaf, in saved order."""
+        return list(self._layout.leaf_paths)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._layout.leaf_paths)
+
+    def __len__(self) -> int:
+        return len(self._layout.leaf_paths)
+
+    def __contains__(self, key: object) -> bool:
+        e = self._layout.entry(key) if isinstance(key, str) else None
+        return e is not None and not isinstance(e, Container)
+
+    def _entry(self, key: str) -> Any:
+        entry = self._layout.entry(key)
+        if entry is None or isinstance(entry, Container):
+            if entry is not None:
+                raise KeyNotFoundError(f"{self.path}: {key!r} is a container, not a leaf; use store.load(select={key!r})")
+            near = closest(key, self._layout.leaf_paths)
+            hint = f"; closest keys: {', '.join(map(repr, near))}" if near else ""
+            raise KeyNotFoundError(f"{self.path}: no key {key!r}{hint}")
+        return entry
+
+    def _included(self, select: Selector) -> Any:
+        """The key paths (leaves and containers) that ``select`` picks (:func:`.select.resolve`)."""
+        return resolve(select, self._layout.leaf_paths, self._layout.container_paths, self.path)
+
+    def selected_keys(self, select: Selector = None) -> list[str]:
+        """The leaf key paths that ``select`` picks, in saved order (see ``Store.load``)."""
+        included = self._included(select)
+        return [p for p in self._layout.leaf_paths if p in included]
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The user metadata given to save (a copy)."""
+        return dict(self._layout.metadata)
+
+
+class Listing(LayoutView):
     """The keys, entries, metadata and sizes of a parsed layout: the part of a store that
     needs no tensors. A :class:`.store.Store` is one; :meth:`open` makes one of a local
     format-2 or 3 file alone (for listings: no torch is imported)."""
 
-    path: str
     _layout: Layout
-
-    def _list(self, layout: Layout) -> None:
-        self._layout = layout
-        self._leaf_paths = layout.leaf_paths
-        self._container_paths = layout.container_paths
 
     @classmethod
     def open(cls, path: str) -> Listing | None:
@@ -104,42 +145,11 @@ class Listing:
             self = cls.__new__(cls)
             self.path = path
             self._raw = raw
-            self._list(layout_v2(raw, path, head))
+            self._layout = layout_v2(raw, path, head)
             return self
         except BaseException:
             raw.close()
             raise
-
-    # -- mapping-like view ---------------------------------------------------------------
-
-    def keys(self) -> list[str]:
-        """Key paths of every leaf, in saved order."""
-        return list(self._leaf_paths)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._leaf_paths)
-
-    def __len__(self) -> int:
-        return len(self._leaf_paths)
-
-    def __contains__(self, key: object) -> bool:
-        e = self._layout.entry(key) if isinstance(key, str) else None
-        return e is not None and not isinstance(e, Container)
-
-    def _entry(self, key: str) -> Any:
-        entry = self._layout.entry(key)
-        if entry is None or isinstance(entry, Container):
-            if entry is not None:
-                raise KeyNotFoundError(f"{self.path}: {key!r} is a container, not a leaf; use store.load(select={key!r})")
-            near = closest(key, self._leaf_paths)
-            hint = f"; closest keys: {', '.join(map(repr, near))}" if near else ""
-            raise KeyNotFoundError(f"{self.path}: no key {key!r}{hint}")
-        return entry
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        """The user metadata given to save (a copy)."""
-        return dict(self._layout.metadata)
 
     @property
     def format_version(self) -> int | None:
@@ -153,13 +163,7 @@ class Listing:
 
     def nbytes_of(self, select: Selector = None) -> int:
         """Bytes of tensor and array data that ``select`` picks (tied tensors counted once)."""
-        included = resolve(select, self._leaf_paths, self._container_paths, self.path)
-        return sum(data_bytes(e) for e in self._layout.select(included) if not isinstance(e, Container))
-
-    def selected_keys(self, select: Selector = None) -> list[str]:
-        """The leaf key paths that ``select`` picks, in saved order (see ``Store.load``)."""
-        included = resolve(select, self._leaf_paths, self._container_paths, self.path)
-        return [p for p in self._leaf_paths if p in included]
+        return sum(data_bytes(e) for e in self._layout.select(self._included(select)) if not isinstance(e, Container))
 
     # -- closing ----------------------------------------------------------------------------
 

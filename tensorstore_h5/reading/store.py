@@ -28,7 +28,7 @@ from ..storage import Deferred, files, memory
 from ..transfer import Device
 from .many import Reader
 from .listing import Listing, layout_v2
-from .select import Selector, resolve
+from .select import Selector
 from .tensors import checking, touched
 
 # a local format-2 file is opened and read without either (their imports are most of a fresh open)
@@ -231,8 +231,7 @@ class Store(Listing):
             raw = files.RawFile(local) if local is not None else remote.open_source(path, storage_options)
             try:
                 with memory.gc_paused():  # a layout of many keys is many new objects, none in a cycle
-                    layout, file = self._open(raw)  # file: the h5py.File of a format-1 or foreign file
-                    self._list(layout)
+                    self._layout, file = self._open(raw)  # file: the h5py.File of a format-1 or foreign file
                 break
             except FileExistsError:
                 raw.close()
@@ -302,7 +301,7 @@ class Store(Listing):
         tensors download while the caller uses this one: up to :data:`remote.FETCH_AHEAD` + 1
         batches of :data:`remote.BATCH_BYTES` are held ahead of the caller.
         """
-        included = resolve(select, self._leaf_paths, self._container_paths, self.path)
+        included = self._included(select)
         entries = [e for e in self._layout.select(included) if not isinstance(e, Container)]
         yield from self._reader.items(entries, device, mmap, verify)
 
@@ -327,7 +326,7 @@ class Store(Listing):
         """The selected part of the file as ``tree.flatten`` gives an object: containers and
         leaves in pre-order, each leaf read when it is reached (tied tensors come back as one
         while alive). What :meth:`Writer.write_tree` takes, to copy a file key by key."""
-        included = resolve(select, self._leaf_paths, self._container_paths, self.path)
+        included = self._included(select)
         yield from self._reader.walk(self._layout.select(included), verify)
 
     def stats(self, select: Selector = None, **options: Any) -> Any:
@@ -361,7 +360,7 @@ class Store(Listing):
             TensorStoreError: a device that does not exist here.
         """
         with memory.gc_paused():  # many new objects, none in a cycle
-            included = resolve(select, self._leaf_paths, self._container_paths, self.path)
+            included = self._included(select)
             return tree.inflate(self._reader.load(self._layout.select(included), device, progress, mmap, verify))
 
     def _read_into(self, pairs: list[tuple[TensorEntry, torch.Tensor]], progress: bool | None, verify: bool | None

@@ -19,7 +19,8 @@ from ..format.dtypes import bits_view
 from ..format.layout import ArrayEntry, TensorEntry, ValueEntry
 from ..format.slicing import Selection, contiguous_stride, select as select_index
 from ..format.tree import Container, Leaf
-from ..reading.select import Selector, closest, resolve
+from ..reading.listing import LayoutView
+from ..reading.select import Selector
 from ..reading.store import EntryView
 from ..reading.tensors import checking
 from ..storage import files, memory
@@ -90,7 +91,7 @@ class ShardedTensorHandle(EntryView):
                 f"in {len(e.pieces)} piece(s)>")
 
 
-class ShardedStore:
+class ShardedStore(LayoutView):
     """A checkpoint directory opened read-only as one store, in one process (no process group).
 
     Opens a directory written by :mod:`tensorstore_h5.distributed` (DCP) or by
@@ -196,41 +197,12 @@ class ShardedStore:
         """The data files of the directory that the index names."""
         return list(self._layout.files)
 
-    def keys(self) -> list[str]:
-        """Key paths of every leaf, in saved order."""
-        return list(self._layout.leaf_paths)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._layout.leaf_paths)
-
-    def __len__(self) -> int:
-        return len(self._layout.leaf_paths)
-
-    def __contains__(self, key: object) -> bool:
-        e = self._layout.entry(key) if isinstance(key, str) else None
-        return e is not None and not isinstance(e, Container)
-
     def __getitem__(self, key: str) -> Any:
         """A :class:`ShardedTensorHandle` for a tensor; the value of other leaves (arrays are read)."""
         entry = self._entry(key)
         if isinstance(entry, ShardedTensorEntry):
             return ShardedTensorHandle(self, entry)
         return self._read_leaf(entry, None, False)
-
-    def _entry(self, key: str) -> DirEntry:
-        entry = self._layout.entry(key)
-        if entry is None or isinstance(entry, Container):
-            if entry is not None:
-                raise KeyNotFoundError(f"{self.path}: {key!r} is a container, not a leaf; use store.load(select={key!r})")
-            near = closest(key, self._layout.leaf_paths)
-            hint = f"; closest keys: {', '.join(map(repr, near))}" if near else ""
-            raise KeyNotFoundError(f"{self.path}: no key {key!r}{hint}")
-        return entry
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        """The user metadata (a copy)."""
-        return dict(self._layout.metadata)
 
     @property
     def nbytes(self) -> int:
@@ -242,10 +214,6 @@ class ShardedStore:
         from ..reading.compare import stats
 
         return stats(self, select, **options)
-
-    def selected_keys(self, select: Selector = None) -> list[str]:
-        included = resolve(select, self._layout.leaf_paths, self._layout.container_paths, self.path)
-        return [p for p in self._layout.leaf_paths if p in included]
 
     def leaf_info(self, key: str) -> dict[str, Any]:
         """What ``tensorstore-h5 ls`` prints for ``key`` (the same fields as for a file, and the
@@ -282,7 +250,7 @@ class ShardedStore:
         """Yield ``(key path, value)`` of the selected leaves one at a time, in saved order (each
         tensor read from its pieces when it is reached; nothing is kept). ``verify`` as for
         :meth:`load`."""
-        included = resolve(select, self._layout.leaf_paths, self._layout.container_paths, self.path)
+        included = self._included(select)
         device = transfer.asked_once(device)  # looked up when checked and again when placed
         for entry in self._layout.select(included):
             if not isinstance(entry, Container):
@@ -302,7 +270,7 @@ class ShardedStore:
                 bytes, from the page cache, hashed on the I/O threads): by default (None) and
                 with True; not with False. Safetensors directories carry no checksums.
         """
-        included = resolve(select, self._layout.leaf_paths, self._layout.container_paths, self.path)
+        included = self._included(select)
         entries = self._layout.select(included)
         device = transfer.asked_once(device)  # looked up when checked and again when placed
         bar = Progress(progress, desc=f"loading {os.path.basename(self.path.rstrip('/'))}")

@@ -250,6 +250,23 @@ def locate(f: h5py.File, entry: TensorEntry | ArrayEntry, file: str, size: int, 
     return _chunked(dsid, dcpl, ftype, entry, shape, itemsize, same_type, file, size)
 
 
+def _chunk_index(dsid: h5py.h5d.DatasetID, shape: tuple[int, ...], chunk: tuple[int, ...]) -> dict[int, tuple[int, int, bool]]:
+    """The stored chunks of a chunked dataset by their row-major place in the chunk grid:
+    ``(file offset, stored bytes, stored raw)``, as libhdf5's chunk index lists them. Raises
+    what h5py raises for a damaged index (``H5_ERRORS``)."""
+    grid = [-(-n // c) for n, c in zip(shape, chunk)]
+    strides = [math.prod(grid[i + 1:]) for i in range(len(grid))]
+    found: dict[int, tuple[int, int, bool]] = {}
+
+    def visit(info: Any) -> None:
+        k = sum(o // c * s for o, c, s in zip(info.chunk_offset, chunk, strides))
+        found[k] = (int(info.byte_offset), int(info.size), info.filter_mask != 0)
+
+    if math.prod(grid):
+        dsid.chunk_iter(visit)
+    return found
+
+
 def _chunked(dsid: h5py.h5d.DatasetID, dcpl: Any, ftype: Any, entry: Any, shape: tuple[int, ...], itemsize: int,
              same_type: bool, file: str, size: int) -> Extent | HDF5Read:
     key = entry.path
@@ -265,17 +282,9 @@ def _chunked(dsid: h5py.h5d.DatasetID, dcpl: Any, ftype: Any, entry: Any, shape:
         raise FormatError(f"{file}: key {key!r}: filters [{names}] are not ones tensorstore_h5 reads (it decodes "
                           f"{', '.join(f'{k} ({v})' for k, v in fmt.FILTERS.items())} itself, and HDF5's "
                           "deflate/shuffle/fletcher32); refused")
-    found: dict[int, tuple[int, int, bool]] = {}
     grid = [-(-n // c) for n, c in zip(shape, chunk)]
-    strides = [math.prod(grid[i + 1:]) for i in range(len(grid))]
-
-    def visit(info: Any) -> None:
-        k = sum(o // c * s for o, c, s in zip(info.chunk_offset, chunk, strides))
-        found[k] = (int(info.byte_offset), int(info.size), info.filter_mask != 0)
-
     try:
-        if math.prod(grid):
-            dsid.chunk_iter(visit)
+        found = _chunk_index(dsid, shape, chunk)
     except H5_ERRORS as e:
         raise FormatError(f"{file}: key {key!r}: unreadable chunk index ({_short(e)})") from e
     chunks = tuple(found[k] for k in sorted(found))
@@ -366,16 +375,7 @@ def _gzip_preset(dsid: h5py.h5d.DatasetID, shape: tuple[int, ...], itemsize: int
         chunk = tuple(int(c) for c in dcpl.get_chunk())
         if [int(f[0]) for f in filters] != [fmt.SHUFFLE_ID, fmt.DEFLATE_ID] or tuple(filters[0][2]) != (itemsize,):
             return None
-        grid = [-(-n // c) for n, c in zip(shape, chunk)]
-        strides = [math.prod(grid[i + 1:]) for i in range(len(grid))]
-        found: dict[int, tuple[int, int, bool]] = {}
-
-        def visit(info: Any) -> None:
-            k = sum(o // c * st for o, c, st in zip(info.chunk_offset, chunk, strides))
-            found[k] = (int(info.byte_offset), int(info.size), info.filter_mask != 0)
-
-        if math.prod(grid):
-            dsid.chunk_iter(visit)
+        found = _chunk_index(dsid, shape, chunk)
         return Chunked(shape, itemsize, chunk, fmt.DEFLATE_ID, tuple(int(v) for v in filters[1][2]),
                        tuple(found[k] for k in sorted(found)))
     except (*H5_ERRORS, ValueError):

@@ -144,6 +144,11 @@ def _needs_module_loader(module: torch.nn.Module, versions: Mapping[str, Any] | 
     return False
 
 
+def _view(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors the same view of the same memory (tied targets)."""
+    return t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
+
+
 def _alias_groups(targets: dict[str, torch.Tensor], order: list[str]) -> tuple[list[str], list[str]]:
     """Of targets that are one tensor (the same view of the same memory), the key filled: the
     last in file order; ``(keys to fill, problems)``. Targets whose memory overlaps without
@@ -156,7 +161,7 @@ def _alias_groups(targets: dict[str, torch.Tensor], order: list[str]) -> tuple[l
         if t.is_meta or t.numel() == 0:
             groups[("own", k)] = [k]
             continue
-        ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        ident = _view(t)
         if ident not in groups:
             lo = t.data_ptr()
             hi = lo + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
@@ -214,15 +219,13 @@ def _tied_to_loaded(targets: dict[str, torch.Tensor], missing: list[str], loaded
         t = targets[k]
         by_view.setdefault(id(t), k)
         if not t.is_meta and t.numel():
-            by_view.setdefault((t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-                                tuple(t.stride()), t.dtype), k)
+            by_view.setdefault(_view(t), k)
     out = {}
     for k in missing:
         t = targets[k]
         other = by_view.get(id(t))
         if other is None and not t.is_meta and t.numel():
-            other = by_view.get((t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-                                 tuple(t.stride()), t.dtype))
+            other = by_view.get(_view(t))
         if other is not None:
             out[k] = other
     return out

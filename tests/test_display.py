@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import tensorstore_h5 as th5
-from tensorstore_h5.display import MAX_DEPTH, TreeRow, human_bytes, tree_html
+from tensorstore_h5.display import human_bytes
+from tensorstore_h5.display.views import MAX_DEPTH, TreeRow, tree_html
 from tensorstore_h5.reading.many import Reader
 
 # -- reading the view back: what a person clicking through it can reach ----------------------

@@ -26,7 +26,7 @@ from tensorstore_h5 import cli
 from tensorstore_h5.errors import FormatError
 from tensorstore_h5.format import layout as fmt
 from tensorstore_h5.reading import listing as listing_module
-from tensorstore_h5.storage import libhdf5
+from tensorstore_h5.format import hdf5links
 
 from helpers import assert_same, bits
 
@@ -314,12 +314,12 @@ def test_saved_files_raise_no_false_alarm(tmp_path: Path, compression: str | Non
     for call in (lambda: th5.load(path), lambda: th5.load(path, mmap=True, verify=True),
                  lambda: th5.load(path, select="optim/*"), lambda: th5.open(path)["obj/model/w"][2:4],
                  lambda: th5.open(path).info()):
-        libhdf5._CHECKED.clear()
+        hdf5links._CHECKED.clear()
         call()
-    libhdf5._CHECKED.clear()
+    hdf5links._CHECKED.clear()
     raw = files_of(path)
     with th5.open(path) as s:
-        assert libhdf5.link_changes(raw, s._layout) is None
+        assert hdf5links.link_changes(raw, s._layout) is None
     raw.close()
 
 
@@ -377,13 +377,13 @@ def test_opening_and_listing_keys_read_no_hdf5_metadata_and_the_first_read_is_ch
     path = tmp_path / "many.h5"
     th5.save({f"blocks.{i // 10}.param{i % 10}": torch.full((4,), float(i)) for i in range(10_000)}, path)
     calls = []
-    real = libhdf5.link_changes
-    monkeypatch.setattr(libhdf5, "link_changes", lambda raw, layout: calls.append(1) or real(raw, layout))
+    real = hdf5links.link_changes
+    monkeypatch.setattr(hdf5links, "link_changes", lambda raw, layout: calls.append(1) or real(raw, layout))
 
     def best(fn: Callable[[], Any], n: int = 15) -> float:
         times = []
         for _ in range(n):
-            libhdf5._CHECKED.clear()
+            hdf5links._CHECKED.clear()
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)

@@ -21,7 +21,7 @@ import tensorstore_h5 as th5
 from tensorstore_h5.errors import FormatError
 from tensorstore_h5.format import hdf5meta
 from tensorstore_h5.format import layout as fmt
-from tensorstore_h5.storage import libhdf5
+from tensorstore_h5.format import hdf5links
 from tensorstore_h5.storage.files import RawFile
 
 from helpers import assert_same
@@ -254,8 +254,8 @@ def test_reindex_adopts_an_edit_of_a_deep_group(tmp_path: Path) -> None:
     assert _walk_index(path, "g")[0] == 2
     raw = RawFile(str(path))
     with th5.open(path) as s:
-        libhdf5._CHECKED.clear()
-        assert libhdf5.link_changes(raw, s._layout) is None
+        hdf5links._CHECKED.clear()
+        assert hdf5links.link_changes(raw, s._layout) is None
     raw.close()
     assert_same(th5.load(path), sd)
     with h5py.File(path, "a") as f:
@@ -290,14 +290,14 @@ def test_the_first_read_of_a_very_large_group_counts_its_links(big: Path) -> Non
     shape of its heap and index: no walk of 50,000 links before a first read."""
     raw = RawFile(str(big))
     with th5.open(big) as s:
-        libhdf5._CHECKED.clear()
+        hdf5links._CHECKED.clear()
         reads = []
-        real = libhdf5._records
-        libhdf5._records = lambda *a: reads.append(1) or real(*a)  # type: ignore[assignment]
+        real = hdf5links._records
+        hdf5links._records = lambda *a: reads.append(1) or real(*a)  # type: ignore[assignment]
         try:
-            assert libhdf5.link_changes(raw, s._layout) is None
+            assert hdf5links.link_changes(raw, s._layout) is None
         finally:
-            libhdf5._records = real  # type: ignore[assignment]
+            hdf5links._records = real  # type: ignore[assignment]
         assert reads == []
         assert s[_key(12_345)][:].item() == 12_345.0
     raw.close()

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .. import display
+from ..display import views
 from ..errors import FormatError, KeyNotFoundError, TensorStoreError
 from ..format import tree
 from ..format.constants import KEY_PATHS, KEYS_MARKER
@@ -528,7 +529,7 @@ def _figure(title: str, values: list[float | None], keys: Sequence[str]) -> str:
     sections = _runs(tops)
     if prefixes:
         title += f"; shaded: {max(prefixes, key=prefixes.__getitem__)}N"
-    return display.bar_chart_svg(values, keys, _runs(numbered), sections if len(sections) > 1 else (), title=title + ")")
+    return views.bar_chart_svg(values, keys, _runs(numbered), sections if len(sections) > 1 else (), title=title + ")")
 
 
 class _Rows(Sequence[dict]):  # type: ignore[type-arg]
@@ -576,14 +577,14 @@ class _ViewRow(NamedTuple):
     data: dict[str, Any]
 
 
-def _bar(v: float | None, lo: int, hi: int) -> display.Html:
+def _bar(v: float | None, lo: int, hi: int) -> views.Html:
     """A table cell's bar of ``v`` on the decades ``lo``..``hi`` (none for None and 0; full and
     red for nan and inf)."""
     if not v:
-        return display.bar_svg(0)
+        return views.bar_svg(0)
     if not math.isfinite(v):
-        return display.bar_svg(1, alert=True)
-    return display.bar_svg(max(0.02, (math.log10(v) - lo) / (hi - lo)))
+        return views.bar_svg(1, alert=True)
+    return views.bar_svg(max(0.02, (math.log10(v) - lo) / (hi - lo)))
 
 
 def _log_range(values: list[float]) -> tuple[int, int]:
@@ -651,9 +652,9 @@ class Diff(_Rows):
             rel = r["rel_l2"]
             return r["status"], _side_text(r), _fmt(r["max_abs"]), _fmt(rel), _fmt(r["changed"]), _bar(rel, lo, hi)
 
-        columns = (display.Column("status"), display.Column("a → b", dim=True), display.Column("max |b−a|", "right"),
-                   display.Column("rel L2", "right"), display.Column("changed", "right"), display.Column("rel L2 (log)"))
-        return display.tree_html(repr(self), [_ViewRow(r["key"], r) for r in self._rows], cells=cells,
+        columns = (views.Column("status"), views.Column("a → b", dim=True), views.Column("max |b−a|", "right"),
+                   views.Column("rel L2", "right"), views.Column("changed", "right"), views.Column("rel L2 (log)"))
+        return views.tree_html(repr(self), [_ViewRow(r["key"], r) for r in self._rows], cells=cells,
                                  totals=_DiffTotals, columns=columns, head=figure)
 
 
@@ -953,10 +954,10 @@ class Stats(_Rows):
             return (f"{r['dtype']} {r['shape']}", _fmt(r["mean"]), _fmt(r["std"]), _fmt(r["min"]), _fmt(r["max"]),
                     _fmt(r["nan"]), _fmt(r["inf"]), _fmt(r["zeros"]), _bar(stds[row.data["_i"]], lo, hi))
 
-        columns = (display.Column("dtype, shape", dim=True), *(display.Column(h, "right") for h in
-                   ("mean", "std", "min", "max", "nan", "inf", "zeros")), display.Column("std (log)"))
+        columns = (views.Column("dtype, shape", dim=True), *(views.Column(h, "right") for h in
+                   ("mean", "std", "min", "max", "nan", "inf", "zeros")), views.Column("std (log)"))
         view_rows = [_ViewRow(r["key"], {**r, "_i": i}) for i, r in enumerate(self._rows)]
-        return display.tree_html(repr(self), view_rows, cells=cells, totals=_StatsTotals, columns=columns,
+        return views.tree_html(repr(self), view_rows, cells=cells, totals=_StatsTotals, columns=columns,
                                  head=figure)
 
 

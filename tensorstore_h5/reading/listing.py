@@ -22,9 +22,10 @@ from ..format.layout import ArrayEntry, Container, Layout, TensorEntry
 from ..storage import Deferred, files
 from .select import Selector, closest, resolve
 
+hdf5links: Any = Deferred(f"{__package__.rpartition('.')[0]}.format.hdf5links", globals(), "hdf5links")  # on first use
+
 __all__ = ["LayoutView", "Listing", "check_links_first", "layout_v2", "data_bytes"]
 
-libhdf5: Any = Deferred(f"{__package__.rpartition('.')[0]}.storage.libhdf5", globals(), "libhdf5")  # on first use
 
 
 def data_bytes(entry: Any) -> int:
@@ -36,9 +37,9 @@ def data_bytes(entry: Any) -> int:
 
 def check_links_first(layout: Layout, raw: Any) -> None:
     """Make the first use of ``layout``'s entries (any read, ``load``, ``info``, ``in``)
-    compare the HDF5 part of ``raw``'s file with it (:func:`libhdf5.link_changes`) and raise
+    compare the HDF5 part of ``raw``'s file with it (:func:`hdf5links.link_changes`) and raise
     :func:`~..format.layout.changed_error` where they differ; later uses cost nothing. Opening
-    a file and listing its keys read no HDF5 metadata and import no libhdf5 code (the open of
+    a file and listing its keys read no HDF5 metadata and import no HDF5 code (the open of
     10,000 keys is benchmarked)."""
     ref = weakref.ref(layout)  # (the layout keeps these functions: no cycle through them)
 
@@ -49,7 +50,7 @@ def check_links_first(layout: Layout, raw: Any) -> None:
             owner = ref()
             assert owner is not None
             result = method(owner, *args, **kwargs)  # the layout's own checks first (damaged or overlapping entries)
-            seen = libhdf5.link_changes(raw, owner)
+            seen = hdf5links.link_changes(raw, owner)
             if seen is not None:
                 raise fmt.changed_error(owner.file, seen)
             owner.__dict__.pop("entry", None)  # checked: the class's own methods again
@@ -67,7 +68,7 @@ def layout_v2(raw: Any, path: str, head: bytes) -> Layout:
     :data:`~..format.layout.HEADER_SIZE` bytes, which start with the magic): header and
     layout text parsed and checked, the HDF5 links compared on first use for a local file.
     Raises FormatError naming ``path``."""
-    header = fmt.parse_header(head, path, raw.size, hdf5_eof=lambda: libhdf5.superblock_eof(raw))
+    header = fmt.parse_header(head, path, raw.size, hdf5_eof=lambda: hdf5links.superblock_eof(raw))
     text = raw.read(header.layout_offset, header.layout_length)
     if checksum.digest(text) != header.layout_hash:
         raise FormatError(f"{path}: damaged layout (checksum mismatch)")

@@ -190,7 +190,7 @@ class TensorHandle(EntryView):
             reader.rawfile().release()
 
     def _repr_html_(self) -> str:
-        from ..display import TreeRow, tree_html
+        from ..display.views import TreeRow, tree_html
 
         e = self._entry
         layout = "row-major" if e.stride is None else f"stride {list(e.stride)}"
@@ -388,7 +388,7 @@ class Store(Listing):
 
     def _repr_html_(self) -> str:
         """A collapsible tree of the keys with dtype, shape, layout and size (Jupyter)."""
-        from ..display import TreeRow, tree_html
+        from ..display.views import TreeRow, tree_html
 
         rows = []
         for e in self._layout.leaves:

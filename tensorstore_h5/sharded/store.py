@@ -566,7 +566,7 @@ class ShardedStore(LayoutView):
 
     def _repr_html_(self) -> str:
         """A collapsible tree of the keys with dtype, shape, pieces and size (Jupyter)."""
-        from ..display import TreeRow, tree_html
+        from ..display.views import TreeRow, tree_html
 
         rows = []
         for e in self._layout.entries:

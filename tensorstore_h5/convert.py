@@ -19,12 +19,12 @@ from .errors import FormatError, KeyNotFoundError, TensorStoreError, Unsupported
 
 if TYPE_CHECKING:
     from .reading.store import Store
+    PathLike = Union[str, "os.PathLike[str]"]  # (annotations only: the alias is ~0.07 ms of an import)
 
 __all__ = ["convert", "format_of", "SUFFIXES"]
 
-PathLike = Union[str, "os.PathLike[str]"]
 
-_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+_ESCAPES = r"\x1b\[[0-?]*[ -/]*[@-~]"  # compiled on first use (re caches it): ~0.1 ms of an import
 """Terminal escape sequences (bold, colours) that torch's messages carry."""
 
 SUFFIXES = {".h5": "h5", ".hdf5": "h5", ".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch",
@@ -166,7 +166,7 @@ def _key_paths(src: str, keys: list[str]) -> tuple[dict[str, str], list[str]]:
     """The names of a safetensors file marked with :data:`KEYS_MARKER` as key paths:
     ``({path: name}, container paths)``, nesting restored. Raises FormatError naming the file
     and the key for a name that is not a key path, or a key path that is also a container."""
-    from .format.constants import KEY_PATHS, KEYS_MARKER
+    from .format.constants import KEYS_MARKER
     from .format.tree import split, unescape
 
     containers: dict[str, None] = {}
@@ -242,7 +242,7 @@ def _from_torch(src: str, dst: str, progress: bool | None, options: dict[str, An
                 f"torch.load({src!r}, weights_only=False), torch.save(obj.state_dict(), 'state.pt') (or a dict of "
                 "its tensors and plain values), then convert state.pt") from e
         raise FormatError(f"{src}: cannot load with weights_only=True, which refuses anything but tensors and plain "
-                          f"values ({_ESCAPES.sub('', str(e))})") from e
+                          f"values ({re.sub(_ESCAPES, '', str(e))})") from e
     save(obj, dst, metadata=options.pop("metadata", None), progress=progress, **options)  # announces "saving <dst>"
 
 

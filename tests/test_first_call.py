@@ -18,7 +18,9 @@ _HEAVY = ("h5py", "hdf5plugin", "fsspec", "tensorstore_h5.writing", "tensorstore
           "tensorstore_h5.distributed", "tensorstore_h5.codecs.presets", "tensorstore_h5.format.hdf5meta",
           # what only URLs, compressed chunks and the HTML view need (each ~0.5-2 ms of a fresh open)
           "tensorstore_h5.storage.remote", "tensorstore_h5.storage.httpranges", "tensorstore_h5.codecs.decoders",
-          "isal", "html", "shlex")
+          "isal", "html", "shlex",
+          # libhdf5's wrappers, the old module paths, the HTML views
+          "tensorstore_h5.storage.libhdf5", "tensorstore_h5._moved", "tensorstore_h5.display.views")
 
 
 def _imported_after(code: str) -> list[str]:
@@ -37,6 +39,40 @@ def test_reading_a_format_2_file_imports_no_hdf5_writer_or_remote_code(tmp_path)
     loaded = [m for m in mods if m.split(".")[0] in _HEAVY or m.startswith(_HEAVY)]
     assert loaded == [], loaded
     assert "tensorstore_h5.reading.store" in mods  # (the probe did run)
+
+
+def test_opening_and_listing_imports_no_read_planner(tmp_path) -> None:
+    """``th5.open`` + ``keys()`` (what ``ls`` and a notebook's first look do) makes no reader:
+    the read planner, the device wing and the I/O threads are imported by the first read."""
+    path = tmp_path / "f.h5"
+    th5.save({"model": {"w": torch.randn(64, 8)}, "step": 3}, path)
+    planner = ("tensorstore_h5.reading.many", "tensorstore_h5.reading.tensors", "tensorstore_h5.transfer",
+               "tensorstore_h5.storage.parallel")
+    mods = _imported_after(f"import tensorstore_h5 as th5\ns = th5.open({str(path)!r}); s.keys(); 'step' in s; len(s)\n"
+                           "s.close(); assert s.closed\n")
+    assert "tensorstore_h5.reading.store" in mods and not [m for m in mods if m in planner]
+    mods = _imported_after(f"import tensorstore_h5 as th5\nwith th5.open({str(path)!r}) as s: s['model/w'][:2]\n")
+    assert all(m in mods for m in planner)
+
+
+def test_a_store_closed_before_any_read_reads_nothing(tmp_path) -> None:
+    path = tmp_path / "f.h5"
+    th5.save({"w": torch.arange(6.0)}, path)
+    s = th5.open(path)
+    handle = s["w"]
+    assert not s.closed
+    s.close()
+    s.close()  # idempotent
+    assert s.closed
+    try:
+        handle[:2]
+    except ValueError as e:
+        assert "closed" in str(e) and str(path) in str(e)
+    else:
+        raise AssertionError("a closed store read")
+    with th5.open(path) as s:
+        assert torch.equal(s["w"][:2], torch.arange(2.0))
+    assert s.closed
 
 
 def test_the_format_records_are_not_dataclasses() -> None:

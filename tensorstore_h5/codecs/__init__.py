@@ -7,7 +7,7 @@ Importing this package imports neither. The names of the former module ``tensors
 
 from __future__ import annotations
 
-from .._moved import former_module
+from typing import Any
 
 __all__ = ["DecodeError"]
 
@@ -17,5 +17,11 @@ class DecodeError(Exception):
     that readers catch it without importing the decoders."""
 
 
-# the former module tensorstore_h5.codecs: its names, found on the package
-__getattr__ = former_module(__name__, "decoders", frozenset({"decoders", "presets"}))
+def __getattr__(name: str) -> Any:
+    """The former module tensorstore_h5.codecs: its names, found on the package (``_moved``,
+    imported only when such a name is asked for)."""
+    if name in ("decoders", "presets") or name.startswith("__"):  # (``from .codecs import presets`` asks first)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .._moved import former_module
+
+    return former_module(__name__, "decoders", frozenset({"decoders", "presets"}))(name)

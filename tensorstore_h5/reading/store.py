@@ -11,9 +11,10 @@ before any byte of a dataset is read. How bytes are read is the read planner's
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,17 +26,28 @@ from ..format.layout import ArrayEntry, Chunked, Container, Layout, TensorEntry,
 from ..format.slicing import contiguous_stride, select as select_index
 from ..format.tree import Leaf
 from ..storage import Deferred, files, memory
-from ..transfer import Device
-from .many import Reader
 from .listing import Listing, layout_v2
 from .select import Selector
-from .tensors import checking, touched
+
+if TYPE_CHECKING:
+    from ..transfer import Device
+    from .many import Reader
 
 # a local format-2 file is opened and read without either (their imports are most of a fresh open)
 libhdf5: Any = Deferred(f"{__package__.rpartition('.')[0]}.storage.libhdf5", globals(), "libhdf5")
 remote: Any = Deferred(f"{__package__.rpartition('.')[0]}.storage.remote", globals(), "remote")
+# what reads need, imported on the first read: opening a file and listing its keys need none of it
+tensors: Any = Deferred(f"{__package__}.tensors", globals(), "tensors")
 
 __all__ = ["Store", "TensorHandle", "EntryView", "Device"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Device":  # (named here before; the device wing's)
+        from ..transfer import Device
+
+        return Device
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 
@@ -180,10 +192,10 @@ class TensorHandle(EntryView):
             mapped = reader.mapped(self._entry, files.FileMap(reader.rawfile(), whole=False), verify is True)
             if mapped is not None:
                 return mapped
-        check = checking(verify, sel.full)
+        check = tensors.checking(verify, sel.full)
         try:
             if out is not None and check and not sel.empty:  # out changes only once the bytes are known good
-                reader.verify_stored(self._entry, None if sel.full else touched(self._entry, sel))
+                reader.verify_stored(self._entry, None if sel.full else tensors.touched(self._entry, sel))
                 check = False
             return reader.read_tensor(self._entry, sel, out, restore_layout=index is None, verify=check, fetch=True)
         finally:
@@ -240,7 +252,16 @@ class Store(Listing):
                 raise
         else:
             raise FormatError(f"{self.path}: the file kept being replaced while it was opened")
-        self._reader = Reader(self.path, raw, file)
+        self._source: tuple[Any, Any] = (raw, file)  # for the reader, made on the first read
+
+    @functools.cached_property
+    def _reader(self) -> Reader:
+        """The reads of this store's file (:class:`~.many.Reader`), made on first use: the read
+        planner's modules are ~1.5 ms of a fresh process's first open, which a listing of the
+        keys does not need."""
+        from .many import Reader
+
+        return Reader(self.path, *self._source)
 
     def _open(self, raw: Any) -> tuple[Layout, Any]:
         """The layout of the file ``raw`` reads, and its h5py file (None for format 2)."""
@@ -374,11 +395,19 @@ class Store(Listing):
 
     def close(self) -> None:
         """Close the file (idempotent). Handles of a closed store cannot read."""
-        self._reader.close()
+        if "_reader" in self.__dict__:
+            self._reader.close()
+            return
+        raw, file = self._source
+        self._source = (None, None)  # a reader made later finds the store closed
+        if file is not None:
+            file.close()
+        if raw is not None:
+            raw.close()
 
     @property
     def closed(self) -> bool:
-        return self._reader.closed
+        return self._reader.closed if "_reader" in self.__dict__ else self._source[0] is None
 
     def __enter__(self) -> Store:
         return self

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import struct
-import uuid
 from typing import TYPE_CHECKING, Any, Union
 
 from .errors import FormatError, KeyNotFoundError, TensorStoreError, UnsupportedTypeError, WriteError
@@ -299,6 +298,8 @@ def _write_error(dst: str, e: OSError) -> WriteError:
 
 
 def _to_safetensors(src: str, dst: str, select: Any, progress: bool | None, metadata: Any) -> None:
+    import uuid  # (with platform, ~3 ms of the command line's start, which needs neither)
+
     from .display import Progress
     from .format.dtypes import bits_view
     from .storage.memory import tensor_bytes

@@ -144,3 +144,35 @@ def test_ls_and_info_of_a_format_2_or_3_file_do_not_import_torch(tmp_path) -> No
     assert r.returncode == 0 and "torch.Size([2, 3])" in r.stdout and torch_imported
     r, torch_imported = run_command("ls", str(tmp_path / "missing.h5"))
     assert r.returncode == 1 and "missing.h5" in r.stderr and not torch_imported
+
+
+def test_ls_and_info_of_tensors_and_values_do_not_import_numpy(tmp_path) -> None:
+    """numpy's import (~60-80 ms, a quarter of ``ls`` of 10,000 keys) waits for something of
+    numpy's: the format's types, values and attributes import it where they make one. A file
+    holding an array or a numpy scalar still lists it, with numpy imported then."""
+    import numpy as np
+    import torch
+
+    import tensorstore_h5 as th5
+
+    th5.save({"model": {"w": torch.randn(8, 4, dtype=torch.bfloat16), "b": torch.zeros(4, dtype=torch.int8)},
+              "step": 3, "name": "run-1", "tied": {"x": (x := torch.ones(3)), "y": x}}, tmp_path / "plain.h5")
+    th5.save({"arr": np.arange(5, dtype=np.int16), "scale": np.float32(0.5), "w": torch.ones(2)}, tmp_path / "np.h5")
+    script = ("import atexit, runpy, sys\n"
+              "atexit.register(lambda: sys.stderr.write('\\nNUMPY=%s\\n' % ('numpy' in sys.modules)))\n"
+              "sys.argv = ['tensorstore-h5', *sys.argv[1:]]\n"
+              "runpy.run_module('tensorstore_h5', run_name='__main__')\n")
+
+    def run(*args: str) -> tuple[str, bool]:
+        r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stdout, r.stderr.rstrip().endswith("NUMPY=True")
+
+    for args in (("ls", str(tmp_path / "plain.h5")), ("info", str(tmp_path / "plain.h5")),
+                 ("ls", "--json", str(tmp_path / "plain.h5"))):
+        out, numpy_imported = run(*args)
+        assert ("model/w" in out or "4 tensors" in out) and not numpy_imported, args
+    out, _ = run("ls", str(tmp_path / "plain.h5"))
+    assert "bfloat16" in out and "int8" in out and "(same as tied/x)" in out and "run-1" in out
+    out, numpy_imported = run("ls", str(tmp_path / "np.h5"))
+    assert "(numpy array)" in out and "int16" in out and "0.5" in out and numpy_imported

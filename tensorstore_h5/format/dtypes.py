@@ -20,13 +20,12 @@ import sys
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from ..errors import UnsupportedTypeError
 from .record import record
 
 if TYPE_CHECKING:
     import h5py  # imported where HDF5 types are made: a format-2 file is read without h5py
+    import numpy as np  # imported where an array or a numpy type is made: the command line lists a file without it
     import torch  # imported where a tensor is made: a layout is listed without torch
 
     REGISTRY: dict[torch.dtype, DtypeSpec]
@@ -65,7 +64,8 @@ class DtypeSpec:
         name: its name in files (``"bfloat16"``), ``str(torch_dtype)`` without ``torch.``.
         itemsize: bytes per element.
         storage: ``"native"``, ``"float"`` or ``"raw"`` (see the module docstring).
-        numpy_dtype: the numpy dtype with the same bytes and meaning, or None.
+        numpy_dtype: the numpy dtype with the same bytes and meaning, or None (numpy is
+            imported on first use of this attribute: the command line lists a file without it).
         torch_dtype: the torch dtype (torch is imported on first use of this attribute: a
             layout is read, and listed by the command line, without torch).
     """
@@ -73,7 +73,17 @@ class DtypeSpec:
     name: str
     itemsize: int
     storage: str
-    numpy_dtype: np.dtype | None
+    _numpy: Any = None
+    """What ``numpy.dtype`` makes :attr:`numpy_dtype` of (``"<f4"``), or None."""
+
+    def __init__(self, name: str, itemsize: int, storage: str, numpy: Any = None) -> None:
+        self.__dict__.update(name=name, itemsize=itemsize, storage=storage, _numpy=numpy)
+
+    @cached_property
+    def numpy_dtype(self) -> np.dtype | None:
+        import numpy as np
+
+        return None if self._numpy is None else np.dtype(self._numpy)
 
     @cached_property
     def torch_dtype(self) -> torch.dtype:
@@ -120,16 +130,20 @@ so that files are read without importing torch)."""
 
 
 def _by_name() -> dict[str, DtypeSpec]:
-    table = {name: DtypeSpec(name, np.dtype(code).itemsize, "native", np.dtype(code)) for name, code in _NATIVE.items()}
+    table = {name: DtypeSpec(name, int(code[2:]), "native", code) for name, code in _NATIVE.items()}  # "<f4": 4 bytes
     for name, size in _FLOAT.items():
-        table[name] = DtypeSpec(name, size, "float", np.dtype([("r", "<f2"), ("i", "<f2")]) if name == "complex32" else None)
+        table[name] = DtypeSpec(name, size, "float", [("r", "<f2"), ("i", "<f2")] if name == "complex32" else None)
     for name, size in _RAW.items():
         table[name] = DtypeSpec(name, size, "raw", None)
     return table
 
 
 _BY_NAME: dict[str, DtypeSpec] = _by_name()
-_BY_NUMPY: dict[np.dtype, DtypeSpec] = {spec.numpy_dtype: spec for spec in _BY_NAME.values() if spec.storage == "native"}
+
+
+@functools.cache
+def _by_numpy() -> dict[np.dtype, DtypeSpec]:
+    return {spec.numpy_dtype: spec for spec in _BY_NAME.values() if spec.storage == "native"}
 
 
 def _registry() -> dict[torch.dtype, DtypeSpec]:
@@ -176,11 +190,13 @@ def spec_for_name(name: str) -> DtypeSpec | None:
 
 def spec_for_numpy(dtype: np.dtype) -> DtypeSpec | None:
     """The spec of a numpy dtype (any byte order), or None if torch has no such dtype."""
+    import numpy as np
+
     dtype = np.dtype(dtype)
     if dtype.byteorder not in ("=", "|", "<", ">"):
         return None
     try:
-        return _BY_NUMPY.get(dtype.newbyteorder("<"))
+        return _by_numpy().get(dtype.newbyteorder("<"))
     except (TypeError, ValueError):
         return None
 

@@ -19,8 +19,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Union
 
-import numpy as np
-
 from ..errors import FormatError
 from . import checksum, tree
 from .constants import DEFLATE_VERSION, FORMAT_VERSION
@@ -31,6 +29,7 @@ from .tree import Container
 
 if TYPE_CHECKING:
     import h5py
+    import numpy as np  # imported by arrays, attributes and format 1: the command line lists a file without it
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "READ_VERSIONS", "ROOT_DATASET", "PACK_GROUP", "LAYOUT_DATASET", "USERBLOCK",
@@ -849,12 +848,16 @@ def check_metadata(metadata: Mapping[str, Any]) -> str:
 def root_attrs(version: int = FORMAT_VERSION) -> list[tuple[str, np.ndarray]]:
     """The root attributes of a format-2 (or 3) file, for readers that do not read the header:
     fixed-length strings and integers only (no global heap, so the metadata is checksummed)."""
+    import numpy as np
+
     return [(ATTR_FORMAT, np.bytes_(FORMAT_NAME)), (ATTR_VERSION, np.int64(version))]
 
 
 def dataset_attrs(entry: TensorEntry) -> list[tuple[str, np.ndarray]]:
     """The attributes that let plain HDF5 readers interpret a tensor's dataset: its torch
     dtype where the HDF5 type does not name it, and its stride where it has one."""
+    import numpy as np
+
     attrs: list[tuple[str, np.ndarray]] = []
     if entry.dtype.storage != "native":
         attrs.append((ATTR_TORCH_DTYPE, np.bytes_(entry.dtype.name)))
@@ -1052,6 +1055,8 @@ def parse_numpy_dtype(name: Any) -> np.dtype:
 def read_layout_v1(attrs: Callable[[str], Any], file: str) -> Layout:
     """The layout of a format-1 file from its root attributes (``attrs(name)`` returns one or
     None). Raises FormatError for an incomplete file or damaged attributes."""
+    import numpy as np  # (h5py, which read the attributes, imported it)
+
     version = attrs(ATTR_VERSION)
     if not isinstance(version, (int, np.integer)) or isinstance(version, (bool, np.bool_)):
         raise FormatError(f"{file}: damaged root attribute {ATTR_VERSION!r}: {version!r}")

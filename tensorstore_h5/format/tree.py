@@ -14,12 +14,13 @@ import re
 import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UnsupportedTypeError
 from .record import record
+
+if TYPE_CHECKING:
+    import numpy as np  # (a value of numpy's means numpy is imported: the command line lists a file without it)
 
 __all__ = [
     "escape", "unescape", "join", "split", "name_for_key", "MAX_NAME_BYTES", "encode_value", "decode_value",
@@ -141,8 +142,9 @@ def encode_value(value: Any, path: str) -> Any:
             return {"torch.dtype": str(value).removeprefix("torch.")}
         if t is torch.Size:
             return {"torch.Size": list(value)}
-    if isinstance(value, np.generic) and t is type(value) and value.dtype.kind in _NP_KINDS and value.dtype.itemsize <= 16 \
-            and value.dtype != np.longdouble and value.dtype != np.clongdouble:
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.generic) and t is type(value) and value.dtype.kind in _NP_KINDS \
+            and value.dtype.itemsize <= 16 and value.dtype != np.longdouble and value.dtype != np.clongdouble:
         return {"numpy": value.dtype.str, "value": encode_value(value.item(), path)}
     hint = ""
     if callable(getattr(value, "state_dict", None)):
@@ -205,6 +207,8 @@ def numpy_dtype(name: str) -> np.dtype | None:
     SyntaxError from ``ast.literal_eval``)."""
     if not re.fullmatch(_NUMPY_NAME, name):
         return None
+    import numpy as np
+
     try:
         dt = np.dtype(name)
     except TypeError:  # "b16" and the like: the letters and sizes that make no type
@@ -281,7 +285,7 @@ def _flatten(obj: Any, path: str, key: Any, out: list[Container | Leaf], active:
         active.discard(id(obj))
     elif _is_tensor(obj):
         out.append(Leaf(path, key, obj))
-    elif t is np.ndarray:
+    elif t is getattr(sys.modules.get("numpy"), "ndarray", None):  # (no numpy imported: no array here)
         out.append(Leaf(path, key, obj))
     else:
         encode_value(obj, path)  # validates

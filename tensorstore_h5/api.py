@@ -94,9 +94,10 @@ _Keys = namedtuple("_Keys", ["missing_keys", "unexpected_keys"])  # (typing.Name
 
 
 class LoadResult(_Keys):
-    """Keys (``list[str]`` each) that :func:`load_into` could not match, like ``Module.load_state_dict``'s result:
-    the pair ``(missing_keys, unexpected_keys)`` (it unpacks and compares as that pair), and
-    ``meta_keys``, the targets left on the meta device (with no data) after the load."""
+    """Keys (``list[str]`` each) that :func:`load_into` could not match, like
+    ``Module.load_state_dict``'s result: the pair ``(missing_keys, unexpected_keys)`` (it
+    unpacks and compares as that pair), and ``meta_keys``, the targets left on the meta device
+    (with no data) after the load."""
 
     def __new__(cls, missing_keys: list[str], unexpected_keys: list[str], meta_keys: list[str] | None = None
                 ) -> LoadResult:

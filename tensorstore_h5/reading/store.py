@@ -50,7 +50,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-
 class EntryView:
     """What a lazy tensor handle knows before reading a byte: the key path, shape, dtype and
     sizes of ``entry`` (a tensor entry of a file or of a checkpoint directory's index)."""
@@ -258,10 +257,10 @@ class Store(Listing):
     def _reader(self) -> Reader:
         """The reads of this store's file (:class:`~.many.Reader`), made on first use: the read
         planner's modules are ~1.5 ms of a fresh process's first open, which a listing of the
-        keys does not need."""
+        keys does not need. Threads that read first together get the one reader."""
         from .many import Reader
 
-        return Reader(self.path, *self._source)
+        return self.__dict__.setdefault("_reader", Reader(self.path, *self._source))
 
     def _open(self, raw: Any) -> tuple[Layout, Any]:
         """The layout of the file ``raw`` reads, and its h5py file (None for format 2)."""

@@ -291,3 +291,25 @@ def test_screenshots_in_a_real_browser(tmp_path) -> None:
             assert {c["color"] for c in row["cells"]} == {probe["view_color"]}
         assert len(set(probe["name_text_lefts"])) == 1, (name, probe)  # key names start in one column
         assert probe["table_margin_left"] == "0px"
+
+
+def test_the_views_names_are_still_found_on_the_display_package() -> None:
+    """``display.py`` became ``display/`` (the views in ``display/views.py``, imported when a view
+    is shown): the old names still import, and the package alone imports no view."""
+    import subprocess
+    import sys
+
+    from tensorstore_h5 import display
+    from tensorstore_h5.display import views
+
+    assert display.tree_html is views.tree_html and display.TreeRow is views.TreeRow
+    try:
+        display.no_such_name
+    except AttributeError as e:
+        assert "no_such_name" in str(e)
+    else:
+        raise AssertionError("an unknown name was found")
+    out = subprocess.run([sys.executable, "-c", "import sys, tensorstore_h5.display as d; d.human_bytes(3); "
+                          "print('tensorstore_h5.display.views' in sys.modules)"], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "False"

@@ -79,3 +79,16 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError
+
+
+def __getattr__(name: str) -> Any:
+    """The names that moved to :mod:`.views` (``display.tree_html``, ...), found here as before;
+    importing this package still imports none of them."""
+    if name.startswith("__") or name == "views":  # (``from . import views`` asks here first)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(f"{__name__}.views"), name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -176,3 +176,16 @@ def test_remote_bench_measures_every_operation_and_counts_bytes_on_the_server() 
     from tensorstore_h5.storage import remote
 
     assert remote.PLAIN_HTTP is True  # the fsspec row set it back
+
+
+def test_bench_dir_is_made_when_it_does_not_exist(tmp_path) -> None:
+    """``bench --dir`` names a folder for the files; one that is not there yet is made (it
+    raised FileNotFoundError from mkdtemp)."""
+    from tensorstore_h5.bench import runner
+
+    where = tmp_path / "not" / "yet"
+    lines: list[str] = []
+    rows = runner.run(0.001, keys=4, repeat=1, only="L.memcpy 1 thread", workdir=str(where), settle=0,
+                      echo=lines.append)
+    assert where.is_dir() and [r["name"] for r in rows] == ["L.memcpy 1 thread (touched)"], (rows, lines)
+    assert list(where.iterdir()) == []  # its own temporary folder inside is removed afterwards

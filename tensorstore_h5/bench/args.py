@@ -12,7 +12,7 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--keys", type=int, default=300, help="about how many tensors")
     p.add_argument("--repeat", type=int, default=3, help="runs per contender (best and median are reported)")
     p.add_argument("--only", help="comma-separated substrings of contender names")
-    p.add_argument("--dir", help="where to put the files (default: the temp dir)")
+    p.add_argument("--dir", help="where to put the files (made if missing; default: the temp dir)")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--settle", type=float, default=None,
                    help="seconds from one worker's exit (or its set-up's removing a file) to the timed operation "

@@ -197,6 +197,8 @@ def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None
     order = ORDER + (GPU_ORDER if gpu else []) + (COLD_ORDER if cold else []) + (FIRST_CALL_ORDER if first_call else [])
     order += DIFF_ORDER if diff else []
     names = [n for n in order if only is None or any(o in n for o in only.split(","))]
+    if workdir is not None:
+        os.makedirs(workdir, exist_ok=True)  # (--dir names a folder that need not exist yet)
     tmp = tempfile.mkdtemp(prefix="th5-bench-", dir=workdir)
     ctx = Ctx(tmp, int(size_gb * 1e9), keys)
     rows: list[dict[str, Any]] = []

@@ -129,3 +129,25 @@ def test_the_first_call_group_times_a_fresh_process(tmp_path) -> None:
         op, _ = CONTENDERS[name][1](ctx)
         seconds = op()
         assert isinstance(seconds, firstcall.Measured) and 0 < float(seconds) < 30
+
+
+def test_a_foreign_file_closed_before_any_read_is_closed_in_libhdf5_too(tmp_path) -> None:
+    """A store of a file only libhdf5 reads keeps its h5py file for the reader made on the first
+    read; closed before any read, it closes that file as well (libhdf5's count of open files)."""
+    import h5py
+    import numpy as np
+
+    def open_files() -> int:
+        return h5py.h5f.get_obj_count(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_FILE)
+
+    path = tmp_path / "plain.h5"
+    with h5py.File(path, "w") as f:
+        f["w"] = np.arange(6, dtype=np.float32)
+    before = open_files()
+    s = th5.open(path)
+    assert s.keys() == ["w"] and open_files() == before + 1
+    s.close()
+    assert s.closed and open_files() == before
+    with th5.open(path) as s:
+        assert s["w"][:2].tolist() == [0.0, 1.0]
+    assert open_files() == before

@@ -7,12 +7,15 @@ errors answer at once; each command imports what it needs when it runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import gc
 import json
 import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from . import __version__
@@ -96,10 +99,33 @@ def _foreign_shape(store: Any, entry: Any) -> tuple[list[int] | None, str | None
     return (None if shape is None else list(shape)), kind
 
 
+@functools.cache
+def _entry_types() -> tuple[type, type, type]:
+    """``(TensorEntry, ArrayEntry, ForeignEntry)``, imported once (an import statement a row was
+    ~6 ms of ``ls`` of 10,000 keys)."""
+    from .format.layout import ArrayEntry, ForeignEntry, TensorEntry
+
+    return TensorEntry, ArrayEntry, ForeignEntry
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic collector off while a command builds the entries of a whole file: the
+    ~50,000 new objects of 10,000 keys form no cycle, and collecting over them ~150 times was
+    ~15 ms of ``ls`` (``storage.memory.gc_paused`` does this for reads; it imports torch)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _leaf_info(store: Any, key: str) -> dict[str, Any]:
     """One row of ``ls``: ``key``, ``kind`` (tensor, ndarray, value, unsupported) and what
     describes that kind."""
-    from .format.layout import ArrayEntry, ForeignEntry, TensorEntry
+    TensorEntry, ArrayEntry, ForeignEntry = _entry_types()
 
     entry = store._entry(key)
     if isinstance(entry, TensorEntry):
@@ -145,7 +171,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if args.pattern and not keys:
             raise KeyNotFoundError(f"{args.file}: no key matches {args.pattern!r}; list every key with "
                                    f"`tensorstore-h5 ls {args.file}` (a glob: * also matches /)")
-        rows = [store.leaf_info(k) if hasattr(store, "leaf_info") else _leaf_info(store, k) for k in keys]
+        with _collector_paused():
+            rows = [store.leaf_info(k) if hasattr(store, "leaf_info") else _leaf_info(store, k) for k in keys]
     if args.json:
         json.dump(rows, sys.stdout, indent=1, ensure_ascii=False)
         print()
@@ -178,12 +205,13 @@ def _info_dir(args: argparse.Namespace, store: Any) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .format.layout import ForeignEntry, TensorEntry
+    TensorEntry, _, ForeignEntry = _entry_types()
 
     with _open(args.file, listing=True) as store:
         if hasattr(store, "leaf_info"):
             return _info_dir(args, store)
-        entries = [store._entry(k) for k in store.keys()]
+        with _collector_paused():
+            entries = [store._entry(k) for k in store.keys()]
         info = {
             "file": store.path,
             "format_version": store.format_version,

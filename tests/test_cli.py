@@ -219,3 +219,34 @@ def test_bench_writers_start_with_the_page_cache_flushed(monkeypatch) -> None:
         monkeypatch.setitem(contenders.CONTENDERS, f"X.{group}", (group, lambda ctx: ((lambda: synced.append("op")), 1)))
         runner.worker(f"X.{group}", contenders.Ctx("/nonexistent", 1, 1))
     assert synced == ["sync", "op", "sync", "op", "op"]
+
+
+def test_ls_and_info_pause_the_collector_only_while_they_list(tmp_path, capsys) -> None:
+    """ls and info build every entry of a file with the cyclic collector off (objects in no
+    cycle), and leave it as they found it, also when the listing fails."""
+    import gc
+
+    from tensorstore_h5 import cli
+
+    path = tmp_path / "f.h5"
+    th5.save({f"k{i}": torch.full((2,), float(i)) for i in range(50)}, path)
+    seen = []
+    real = cli._leaf_info
+    try:
+        cli._leaf_info = lambda store, key: seen.append(gc.isenabled()) or real(store, key)  # type: ignore[assignment]
+        for was in (False, True):
+            (gc.enable if was else gc.disable)()
+            assert cli.main(["ls", str(path)]) == 0 and cli.main(["info", str(path)]) == 0
+            assert gc.isenabled() is was
+
+        def damaged(store, key):
+            raise th5.FormatError(f"{path}: damaged layout entry (key {key!r})")
+
+        cli._leaf_info = damaged  # type: ignore[assignment]
+        assert cli.main(["ls", str(path)]) == 1 and gc.isenabled()  # on before (the loop's last pass), on after
+    finally:
+        cli._leaf_info = real  # type: ignore[assignment]
+        gc.enable()
+    assert seen == [False] * 100
+    out = capsys.readouterr().out
+    assert "k49" in out and "50 tensors" in out

@@ -27,7 +27,6 @@ hdf5links: Any = Deferred(f"{__package__.rpartition('.')[0]}.format.hdf5links", 
 __all__ = ["LayoutView", "Listing", "check_links_first", "layout_v2", "data_bytes"]
 
 
-
 def data_bytes(entry: Any) -> int:
     """Bytes a leaf reads from the file (0 for plain values and aliases)."""
     if isinstance(entry, ArrayEntry) or (isinstance(entry, TensorEntry) and entry.same_as is None):

@@ -104,7 +104,7 @@ def _bind(name: str) -> Any:
     """Import the module of the lazy name ``name``, bind the name here and return it. The
     collector is paused meanwhile: with torch loaded, a full collection that an import's new
     objects set off costs ~150 ms (measured: th5.open + keys in a fresh process 270 -> 90 ms)."""
-    from .storage.memory import gc_paused
+    from .storage import gc_paused
 
     with gc_paused():
         value = getattr(_import_module(f"{__name__}.{_LAZY[name]}"), name)

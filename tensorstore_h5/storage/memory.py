@@ -1,19 +1,16 @@
 """Host memory for tensors: fresh outputs in mappings of their own (freed for real when
 dropped; transparent huge pages on request, see :data:`HUGEPAGES`), byte views of tensor
-memory, the heap handed back while streaming, the garbage collector paused for bulk work,
-and saved strides restored.
+memory, the heap handed back while streaming, and saved strides restored. ``gc_paused`` (the
+garbage collector paused for bulk work) is the storage package's, found here as well.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import gc
 import math
 import mmap
 import os
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,6 +18,7 @@ import torch
 
 from ..format.dtypes import bits_view
 from ..format.slicing import has_gaps, stride_span
+from . import gc_paused  # (lives with the package, which imports no torch: the command line's listings pause it too)
 
 __all__ = [
     "MAP_MIN_BYTES", "HUGEPAGES", "HUGEPAGE_MIN_BYTES", "TRIM_BYTES", "TRIM_CHECK_BYTES", "empty", "streamed",
@@ -146,57 +144,6 @@ def streamed(nbytes: int) -> None:
     if info is not None and info().fordblks < TRIM_BYTES:
         return
     trim(0)
-
-
-_gc_lock = threading.Lock()
-
-_gc_paused_by: dict[int, int] = {}  # thread ident -> blocks of that thread now in gc_paused
-
-_gc_was_enabled = False
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the block (back as it was when the last of
-    the blocks running in any thread ends). Building thousands of objects that form no cycle
-    (tensors, entries, index pieces) otherwise runs it again and again over everything the
-    process holds: half the time of loading 10,000 small tensors (560 -> 280 ms, as fast as
-    safetensors' ``load_file``) and of a rank reading a 512-rank index."""
-    global _gc_was_enabled
-    me = threading.get_ident()
-    with _gc_lock:
-        if not _gc_paused_by:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_paused_by[me] = _gc_paused_by.get(me, 0) + 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            left = _gc_paused_by.pop(me) - 1
-            if left:
-                _gc_paused_by[me] = left
-            elif not _gc_paused_by and _gc_was_enabled:
-                gc.enable()
-
-
-def _resume_gc_after_fork() -> None:
-    """In a forked child only the forking thread exists: the pauses of the parent's other
-    threads never end there, so they are forgotten (and the collector is back on when none is
-    left), and the lock is made anew (the parent's may have been held)."""
-    global _gc_lock
-    _gc_lock = threading.Lock()
-    me = threading.get_ident()
-    paused, mine = bool(_gc_paused_by), _gc_paused_by.get(me, 0)
-    _gc_paused_by.clear()
-    if mine:
-        _gc_paused_by[me] = mine
-    elif paused and _gc_was_enabled:
-        gc.enable()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_resume_gc_after_fork)
 
 
 def tensor_bytes(t: torch.Tensor) -> np.ndarray:

@@ -11,6 +11,8 @@ from typing import Any
 
 __all__ = ["DecodeError"]
 
+_SUBMODULES = frozenset({"decoders", "presets"})
+
 
 class DecodeError(Exception):
     """A chunk that does not decode to exactly its bytes (damaged or hostile). Defined here so
@@ -20,8 +22,8 @@ class DecodeError(Exception):
 def __getattr__(name: str) -> Any:
     """The former module tensorstore_h5.codecs: its names, found on the package (``_moved``,
     imported only when such a name is asked for)."""
-    if name in ("decoders", "presets") or name.startswith("__"):  # (``from .codecs import presets`` asks first)
+    if name in _SUBMODULES or name.startswith("__"):  # (``from .codecs import presets`` asks first)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from .._moved import former_module
 
-    return former_module(__name__, "decoders", frozenset({"decoders", "presets"}))(name)
+    return former_module(__name__, "decoders", _SUBMODULES)(name)

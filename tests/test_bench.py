@@ -189,3 +189,53 @@ def test_bench_dir_is_made_when_it_does_not_exist(tmp_path) -> None:
                       echo=lines.append)
     assert where.is_dir() and [r["name"] for r in rows] == ["L.memcpy 1 thread (touched)"], (rows, lines)
     assert list(where.iterdir()) == []  # its own temporary folder inside is removed afterwards
+
+
+def test_a_failing_contender_costs_its_row_not_the_run(tmp_path, monkeypatch) -> None:
+    """A worker that fails (a peer that breaks on the machine) is reported with the reason after
+    the others were measured, and the run then raises: a GPU check runs once, so one broken
+    peer must not lose the rest of its table."""
+    calls: list[str] = []
+
+    def fake(name, ctx, not_before=0.0, settle=0.0, profile=0):
+        calls.append(name)
+        if name == "L.readinto touched, 2 threads":
+            raise RuntimeError(f"contender {name!r} failed:\nTraceback ...\nOSError: libcudart.so: cannot open")
+        return {"name": name, "seconds": 0.1, "bytes": 10**9, "peak_bytes": 0}
+
+    monkeypatch.setattr(runner, "_run_worker", fake)
+    names = ["L.readinto fresh, 2 threads", "L.readinto touched, 2 threads", "L.memcpy 1 thread (touched)"]
+    lines: list[str] = []
+    with pytest.raises(runner.ContenderFailed, match="1 contender"):
+        runner.run(size_gb=0.001, repeat=2, only=",".join(names), echo=lines.append, settle=0,
+                   out=str(tmp_path / "r.json"))
+    assert calls.count("L.readinto touched, 2 threads") == 1 and calls.count("L.memcpy 1 thread (touched)") == 2
+    assert any(line.startswith("L.readinto touched, 2 threads") and "FAILED: OSError: libcudart.so" in line
+               for line in lines)
+    assert any(line.startswith("L.memcpy 1 thread (touched)") and "GB/s" in line for line in lines)
+    import json
+
+    saved = json.loads((tmp_path / "r.json").read_text())
+    measured = [r["name"] for r in saved["rows"]]
+    assert names[0] in measured and names[2] in measured and names[1] not in measured
+    assert list(saved["failed"]) == [names[1]]
+
+
+def test_gpu_ratios_name_each_target_and_the_limit_is_the_slower_stage() -> None:
+    from tensorstore_h5.bench import gpu
+
+    o = f" {gpu.OPTIM}"
+    rows = [_row("G.L.file read into pinned memory, I/O threads", 0.05), _row("G.L.pinned host-to-device copy", 0.04),
+            _row("G.tensorstore_h5 load(device=cuda)", 0.1), _row("G.fastsafetensors fastsafe_open(nogds) + get_tensor", 0.2),
+            _row("G.L.file read into pinned memory, I/O threads" + o, 0.01), _row("G.L.pinned host-to-device copy" + o, 0.02),
+            _row("G.tensorstore_h5 load(device=cuda)" + o, 0.04),
+            _row("G.tensorstore_h5 1% row slice of every tensor (cuda)", 0.01),
+            _row("G.safetensors get_slice 1% rows of every tensor (cuda)", 0.03)]
+    lines: list[str] = []
+    runner._ratios(rows, lines.append)
+    text = "\n".join(lines)
+    assert "GPU load / min(read pinned, H2D) (>= 0.85)" in text and "  0.50   0.50" in text
+    assert "GPU load of 6,000 tensors / min(read pinned, H2D) (>= 0.85)" in text and "  0.50" in text
+    assert "GPU load vs fastsafetensors (>= 1)" in text and "  2.00" in text
+    assert "1% row slices to the GPU vs safetensors" in text and "  3.00" in text
+    assert "GPU load: peak host RSS growth (MiB; <= 256)" in text

@@ -100,7 +100,7 @@ def test_bench_ratios_use_the_better_fresh_memory_limit() -> None:
     gpu[1]["median_s"] = 2.0  # the slower stage bounds each statistic on its own: best 0.5 s, median 2.0 s
     lines.clear()
     runner._ratios(gpu, lines.append)
-    assert any(line.split()[-2:] == ["0.80", "1.60"] for line in lines if "load(device=cuda) / min(read pinned, H2D)" in line)
+    assert any(line.split()[-2:] == ["0.80", "1.60"] for line in lines if line.strip().startswith("GPU load / min(read pinned, H2D)"))
 
 
 def test_bench_detects_free_page_reporting(tmp_path, monkeypatch) -> None:

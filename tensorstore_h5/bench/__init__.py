@@ -4,6 +4,7 @@ machine's limits and its peers. The library never imports this package.
 - :mod:`.runner`: rounds of fresh worker processes, best / median, ratios (``run``, ``main``)
 - :mod:`.contenders`: what each contender times; :mod:`.measure`: peak RSS, page cache, raw reads
 - :mod:`.args`: the command line's options (no torch: ``tensorstore-h5 bench --help`` stays fast)
+- :mod:`.gpu`: the GPU group (``--gpu``), :mod:`.firstcall`: the first call in a fresh process
 - groups run by their own drivers: :mod:`.distributed` (DCP, several ranks), :mod:`.past_ram`,
   :mod:`.remote` (a loopback HTTP server), :mod:`.compression`
 - inputs: :mod:`.synthetic` (checkpoints made here), :mod:`.realweights` (a small trained model);
@@ -20,7 +21,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-_RUNNER = frozenset({"run", "run_args", "main", "worker", "ORDER", "GPU_ORDER", "COLD_ORDER"})
+_RUNNER = frozenset({"run", "run_args", "main", "worker", "ORDER", "GPU_ORDER", "COLD_ORDER", "ContenderFailed"})
 _CONTENDERS = frozenset({"CONTENDERS", "READS", "Ctx", "Timed", "contender"})
 _MEASURE = frozenset({"Skip", "reports_free_pages", "settle_seconds"})
 

@@ -2,7 +2,7 @@
 that, given the bench directory (:class:`Ctx`), sets up untimed and returns the operation to
 time and the bytes it moves. Groups by the letter before the first dot: L. the machine's
 limits, W. writers, R. readers, C. a cold page cache, M. merges, S./K. small objects and many
-keys, G. the GPU. :mod:`.runner` runs them, each in a fresh process.
+keys (G., the GPU: :mod:`.gpu`). :mod:`.runner` runs them, each in a fresh process.
 """
 
 from __future__ import annotations
@@ -679,85 +679,6 @@ def _(ctx: Ctx) -> Timed:
 @contender("S.torch.load small objects", "small-read", reads=("small.pt",))
 def _(ctx: Ctx) -> Timed:
     return (lambda: torch.load(ctx.path("small.pt"), weights_only=True)), 2000 * (4 + 128)
-
-
-# -- GPU (--gpu; need CUDA): where the weights end up
-
-
-def _cuda() -> torch.device:
-    if not torch.cuda.is_available():
-        raise RuntimeError("the G. contenders need a CUDA device")
-    torch.empty(1, device="cuda")  # create the context before the clock starts
-    torch.cuda.synchronize()
-    return torch.device("cuda")
-
-
-def _synced(fn: Callable[[], Any]) -> Callable[[], Any]:
-    def op() -> Any:
-        result = fn()
-        torch.cuda.synchronize()
-        return result
-    return op
-
-
-@contender("G.L.file read into pinned memory, 2 threads", "gpu-limit", reads=("raw.bin",))
-def _(ctx: Ctx) -> Timed:
-    _cuda()
-    n = os.path.getsize(ctx.path("raw.bin"))
-    buf = torch.zeros(n, dtype=torch.uint8).pin_memory()
-    return (lambda: _preadv_all(ctx.path("raw.bin"), [buf], 2)), n
-
-
-@contender("G.L.file read into pinned memory, I/O threads", "gpu-limit", reads=("raw.bin",))
-def _(ctx: Ctx) -> Timed:
-    """As many reading threads as tensorstore_h5 uses (parallel.IO_THREADS: 8 on a machine of 8 or
-    more cores), so the limit is not set by fewer threads than the load it bounds."""
-    from ..storage import parallel
-
-    _cuda()
-    n = os.path.getsize(ctx.path("raw.bin"))
-    buf = torch.zeros(n, dtype=torch.uint8).pin_memory()
-    return (lambda: _preadv_all(ctx.path("raw.bin"), [buf], parallel.IO_THREADS)), n
-
-
-@contender("G.L.pinned host-to-device copy", "gpu-limit", reads=("raw.bin",))
-def _(ctx: Ctx) -> Timed:
-    dev = _cuda()
-    n = os.path.getsize(ctx.path("raw.bin"))
-    src = torch.zeros(n, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(n, dtype=torch.uint8, device=dev)
-    return _synced(lambda: dst.copy_(src, non_blocking=True)), n
-
-
-@contender("G.tensorstore_h5 load(device=cuda)", "gpu", reads=("ckpt.h5",))
-def _(ctx: Ctx) -> Timed:
-    import tensorstore_h5 as th5
-
-    _cuda()
-    return _synced(lambda: th5.load(ctx.path("ckpt.h5"), device="cuda")), _file_data(ctx)
-
-
-@contender("G.tensorstore_h5 load_into (CUDA targets)", "gpu", reads=("ckpt.h5",))
-def _(ctx: Ctx) -> Timed:
-    import tensorstore_h5 as th5
-
-    dev = _cuda()
-    target = {k: v.to(dev) for k, v in _shapes(ctx).items()}
-    return _synced(lambda: th5.load_into(target, ctx.path("ckpt.h5"))), _file_data(ctx)
-
-
-@contender("G.torch.load(map_location=cuda)", "gpu", reads=("ckpt.pt",))
-def _(ctx: Ctx) -> Timed:
-    _cuda()
-    return _synced(lambda: torch.load(ctx.path("ckpt.pt"), weights_only=True, map_location="cuda")), _file_data(ctx)
-
-
-@contender("G.safetensors load_file(device=cuda)", "gpu", reads=("ckpt.safetensors",))
-def _(ctx: Ctx) -> Timed:
-    from safetensors.torch import load_file
-
-    _cuda()
-    return _synced(lambda: load_file(ctx.path("ckpt.safetensors"), device="cuda")), _file_data(ctx)
 
 
 def prepare_keys_files(ctx: Ctx) -> None:

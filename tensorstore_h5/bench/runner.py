@@ -39,12 +39,14 @@ from . import measure
 from .contenders import CONTENDERS, Ctx, READS, prepare_keys_files
 from .compare import DIFF_ORDER
 from .firstcall import FIRST_CALL_ORDER, Measured
+from .gpu import DEVICE_ENV, GPU_ORDER, OPTIM, gpu_ratios, prepare_gpu_files
 from .measure import Skip, reset_peak, settle_seconds, status, warm
 
-__all__ = ["ORDER", "GPU_ORDER", "COLD_ORDER", "worker", "run", "main", "run_args"]
+__all__ = ["ORDER", "GPU_ORDER", "COLD_ORDER", "ContenderFailed", "worker", "run", "main", "run_args"]
 
 
-WARM_GROUPS = ("read", "mmap", "prealloc", "stream", "partial", "touched", "keys", "small-read", "gpu", "gpu-limit")
+WARM_GROUPS = ("read", "mmap", "prealloc", "stream", "partial", "touched", "keys", "small-read", "gpu", "gpu-limit",
+               "gpu-partial")
 """Groups whose contenders read files in the page cache. The bench's files (about ten of 2 GB
 each, rewritten every round by the writers) do not all fit this machine's page cache beside
 the readers' memory, so without :func:`warm` a "warm" read found its file partly evicted in
@@ -155,14 +157,6 @@ ORDER = [
 ]
 
 
-GPU_ORDER = [
-    "G.L.file read into pinned memory, I/O threads", "G.L.pinned host-to-device copy",
-    "G.L.file read into pinned memory, 2 threads", "G.tensorstore_h5 load(device=cuda)", "G.tensorstore_h5 load_into (CUDA targets)",
-    "G.torch.load(map_location=cuda)", "G.safetensors load_file(device=cuda)",
-]
-"""Run with ``--gpu`` (they need CUDA)."""
-
-
 COLD_ORDER = [
     "C.L.O_DIRECT reads of the file, 2 threads (cold)", "C.L.buffered reads of the file, 2 threads (cold)",
     "C.tensorstore_h5 load (cold)", "C.tensorstore_h5 load(mmap) + touch (cold)", "C.torch.load(mmap) + touch (cold)",
@@ -172,6 +166,15 @@ COLD_ORDER = [
 """Run with ``--cold`` (root: each drops the page cache first)."""
 
 
+WRITERS = {
+    "L.write raw bytes": "raw.bin", "W.tensorstore_h5 save": "ckpt.h5", "W.torch.save": "ckpt.pt",
+    "W.safetensors save_file": "ckpt.safetensors", "W.pickle header + raw storages": "ckpt.raw",
+    "W.naive h5py create_dataset(data=t.numpy())": "naive.h5", "W.tensorizer TensorSerializer": "ckpt.tensors",
+}
+"""The writer that makes each file the read contenders read (:data:`READS`): run untimed first
+when the contender itself is not run."""
+
+
 def _run_worker(name: str, ctx: Ctx, not_before: float = 0.0, settle: float = 0.0, profile: int = 0) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "tensorstore_h5.bench", "worker", name, ctx.dir, str(ctx.size), str(ctx.keys),
            repr(not_before), repr(settle), str(profile)]
@@ -179,6 +182,11 @@ def _run_worker(name: str, ctx: Ctx, not_before: float = 0.0, settle: float = 0.
     if r.returncode != 0:
         raise RuntimeError(f"contender {name!r} failed:\n{r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+class ContenderFailed(RuntimeError):
+    """Raised by :func:`run` after the table when contenders failed (not skipped): the others
+    were still measured and printed."""
 
 
 def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None = None,
@@ -202,17 +210,20 @@ def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None
     tmp = tempfile.mkdtemp(prefix="th5-bench-", dir=workdir)
     ctx = Ctx(tmp, int(size_gb * 1e9), keys)
     rows: list[dict[str, Any]] = []
+    failed: dict[str, str] = {}  # name -> why, of contenders whose worker failed
     try:
         needs = set(names)
-        if any(n.startswith(("R.", "L.", "G.", "C.")) or (n.startswith("F.") and "10,000" not in n and "F.cli" not in n)
-               for n in needs):
-            for w in ("L.write raw bytes", "W.tensorstore_h5 save", "W.torch.save", "W.safetensors save_file",
-                      "W.pickle header + raw storages", "W.naive h5py create_dataset(data=t.numpy())",
-                      "W.tensorizer TensorSerializer"):
-                if w not in needs:
-                    _run_worker(w, ctx)  # produce the files the read contenders need
+        files = {f for n in needs for f in READS.get(n, ())}
+        every = any(n.startswith("C.") for n in needs)  # the cold group reads the files without listing them
+        if files & set(WRITERS.values()):
+            files.add("ckpt.h5")  # the contenders of every format take their sizes and keys from it
+        for w, made in WRITERS.items():
+            if w not in needs and (every or made in files):
+                _run_worker(w, ctx)  # produce the files the read contenders need
         if any(n.startswith("K.") or "10,000" in n for n in needs):
             prepare_keys_files(ctx)
+        if any(OPTIM in n for n in needs):
+            prepare_gpu_files(ctx)
         if any(n.startswith("S.") and "load" in n for n in needs):
             for w in ("S.tensorstore_h5 save small objects", "S.torch.save small objects"):
                 if w not in needs:
@@ -227,10 +238,14 @@ def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None
             if bar is None and r:
                 print(f"tensorstore-h5 bench: round {r + 1} of {repeat}", file=sys.stderr)
             for name in names:
-                if results[name] and "skip" in results[name][0]:
+                if results[name] and ("skip" in results[name][0] or "failed" in results[name][-1]):
                     continue
                 not_before = last_exit + settle if CONTENDERS[name][0] in SETTLED_GROUPS else 0.0
-                results[name].append(_run_worker(name, ctx, not_before, settle, profile))
+                try:
+                    results[name].append(_run_worker(name, ctx, not_before, settle, profile))
+                except RuntimeError as e:  # one contender's failure costs its row, not the others' (a lent GPU runs once)
+                    results[name].append({"name": name, "failed": str(e).strip().splitlines()[-1]})
+                    print(f"tensorstore-h5 bench: {e}", file=sys.stderr)
                 last_exit = time.time()
                 if bar is None and "seconds" in results[name][-1]:  # a log: a run cut short still shows its figures
                     print(f"tensorstore-h5 bench: round {r + 1}: {name}: {results[name][-1]['seconds'] * 1e3:.1f} ms",
@@ -243,9 +258,13 @@ def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None
         if bar is not None:
             bar.close()
         skipped = {name: res[0]["skip"] for name, res in results.items() if res and "skip" in res[0]}
+        failed.update((name, res[-1]["failed"]) for name, res in results.items() if res and "failed" in res[-1])
         for name in names:
             if name in skipped:
                 echo(f"{name:<62} skipped: {skipped[name]}")
+                continue
+            if name in failed:
+                echo(f"{name:<62} FAILED: {failed[name]}")
                 continue
             secs = [r["seconds"] for r in results[name]]
             row = {"name": name, "group": CONTENDERS[name][0], "bytes": results[name][0]["bytes"], "best_s": min(secs),
@@ -257,7 +276,7 @@ def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None
         _ratios(rows, echo)
         if profile:
             for name in names:
-                if name in skipped:
+                if name in skipped or name in failed:
                     continue
                 fastest = min(results[name], key=lambda r: r["seconds"])
                 echo(f"\nprofile of {name} (its fastest run, {fastest['seconds'] * 1e3:.1f} ms under cProfile):")
@@ -267,7 +286,10 @@ def run(size_gb: float = 2.0, keys: int = 300, repeat: int = 3, only: str | None
     if out:
         with open(out, "w") as f:
             json.dump({"size_gb": size_gb, "keys": keys, "repeat": repeat, "settle_s": settle, "machine": _machine(),
-                       "rows": rows}, f, indent=1)
+                       "rows": rows, "failed": failed}, f, indent=1)
+    if failed:
+        raise ContenderFailed(f"{len(failed)} contender(s) failed (their rows say why; the others' figures are above): "
+                              + ", ".join(failed))
     return rows
 
 
@@ -354,16 +376,7 @@ def _ratios(rows: list[dict[str, Any]], echo: Callable[[str], None]) -> None:
     ratio("S.tensorstore_h5 save small objects", "S.libhdf5 metadata: tensorstore_h5 save small objects",
           "small objects save: metadata encoded here vs by libhdf5 (> 1: encoder faster)")
     ratio("S.tensorstore_h5 load small objects", "S.torch.load small objects", "small objects load vs torch.load (>= 1)")
-    limits = [by[n] for n in GPU_ORDER[:2] if n in by]  # reading with parallel.IO_THREADS threads, and the copy
-    if len(limits) == 2:  # the slower of the two stages bounds a load to the GPU
-        by["G.L.min(read pinned, H2D)"] = {k: max(r[k] for r in limits) for k in ("best_s", "median_s") if all(k in r for r in limits)}
-        for name in ("G.tensorstore_h5 load(device=cuda)", "G.tensorstore_h5 load_into (CUDA targets)"):
-            ratio(name, "G.L.min(read pinned, H2D)", name[2:] + " / min(read pinned, H2D) (>= 0.85)")
-        ratio("G.tensorstore_h5 load(device=cuda)", "G.torch.load(map_location=cuda)", "GPU load vs torch.load(map_location=cuda)")
-        ratio("G.tensorstore_h5 load(device=cuda)", "G.safetensors load_file(device=cuda)", "GPU load vs safetensors load_file(cuda)")
-        if "G.tensorstore_h5 load(device=cuda)" in by:
-            echo(f"  {'GPU load peak host RSS growth (MiB; <= staging 128 + 256)':<70} "
-                 f"{by['G.tensorstore_h5 load(device=cuda)']['peak_mib']:6.0f}")
+    gpu_ratios(by, ratio, echo)
     peers = [by[n] for n in COLD_ORDER[4:] if n in by]
     if peers and "C.tensorstore_h5 load (cold)" in by:
         by["C.best peer (cold)"] = min(peers, key=lambda r: r["best_s"])
@@ -465,9 +478,14 @@ def run_args(a: Any) -> int:
             with open(a.json, "w") as f:
                 json.dump({"machine": _machine(), "rows": rows}, f, indent=1)
         return 0
-    if a.gpu and not torch.cuda.is_available():
-        print("tensorstore-h5 bench --gpu: CUDA is not available on this machine", file=sys.stderr)
+    if a.gpu and not torch.cuda.is_available() and os.environ.get(DEVICE_ENV) != "cpu":
+        print(f"tensorstore-h5 bench --gpu: CUDA is not available on this machine ({DEVICE_ENV}=cpu runs the "
+              "G. contenders' code on the CPU, for tests)", file=sys.stderr)
         return 1
-    run(a.size_gb, a.keys, a.repeat, a.only, a.dir, a.json, gpu=a.gpu, settle=a.settle, profile=a.profile, cold=a.cold,
-        first_call=a.first_call, diff=a.diff)
+    try:
+        run(a.size_gb, a.keys, a.repeat, a.only, a.dir, a.json, gpu=a.gpu, settle=a.settle, profile=a.profile,
+            cold=a.cold, first_call=a.first_call, diff=a.diff)
+    except ContenderFailed as e:
+        print(f"tensorstore-h5 bench: {e}", file=sys.stderr)
+        return 1
     return 0

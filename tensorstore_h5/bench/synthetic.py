@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["transformer_state_dict", "optimizer_state", "checkpoint", "bench_state_dict"]
+__all__ = ["transformer_state_dict", "optimizer_state", "checkpoint", "bench_state_dict", "bench_optimizer_state"]
 
 
 def transformer_state_dict(
@@ -97,3 +97,18 @@ def bench_tensors(total_bytes: int, keys: int = 300, seed: int = 0) -> Iterator[
                             ("attn.out.bias", (w,)), ("mlp.up.weight", (4 * w, w)), ("mlp.down.weight", (w, 4 * w)),
                             ("norm1.weight", (w,)), ("norm2.weight", (w,))):
             yield p + name, fill(shape, dt)
+
+
+def bench_optimizer_state(total_bytes: int, params: int = 2000, seed: int = 0) -> OrderedDict[str, torch.Tensor]:
+    """An Adam-like optimizer state of ``3 * params`` tensors and about ``total_bytes``: for each
+    parameter of a :func:`bench_tensors` model, a 0-d float32 ``step`` and float32 ``exp_avg``
+    and ``exp_avg_sq`` of its shape (flat keys ``state.{i}.{name}``, as safetensors needs).
+    Many small tensors: a quarter of them 0-d, most of the rest a few KB."""
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    # bench_tensors keeps half of its layers in bfloat16: float32 moments are ~1.35x its bytes each
+    for i, (_, t) in enumerate(bench_tensors(int(total_bytes / 2.7), params, seed)):
+        avg = t.float()
+        out[f"state.{i}.step"] = torch.tensor(float(i + 1))
+        out[f"state.{i}.exp_avg"] = avg
+        out[f"state.{i}.exp_avg_sq"] = avg.abs()
+    return out

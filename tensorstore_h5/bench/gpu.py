@@ -5,7 +5,7 @@ that makes CUDA's context before the clock, so every figure is the first load in
 
 Two checkpoints, each with its raw bytes for the limits: the default (``ckpt.*``, ``raw.bin``:
 2 GB in 296 tensors) and an optimizer state of 6,000 tensors (``optim.*``, ``optim.bin``: 2,000
-parameters' ``step``, ``exp_avg`` and ``exp_avg_sq``, ~0.2x the default's bytes, a quarter of the
+parameters' ``step``, ``exp_avg`` and ``exp_avg_sq``, ~0.2x the default's bytes, a third of the
 tensors 0-d; made by :func:`prepare_gpu_files`). The limit of a load is the slower of reading
 the file into pinned memory with the library's I/O threads and the pinned host-to-device copy.
 
@@ -92,7 +92,7 @@ def _fastsafetensors() -> Any:
 
 def prepare_gpu_files(ctx: Ctx) -> None:
     """The optimizer-state checkpoint of the ``(6,000 tensors)`` contenders in each format,
-    and its raw bytes (untimed): about a quarter of ``ctx.size``."""
+    and its raw bytes (untimed): about a fifth of ``ctx.size``."""
     import tensorstore_h5 as th5
     from safetensors.torch import save_file
 

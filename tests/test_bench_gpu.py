@@ -141,7 +141,8 @@ class _FakeKvikio(types.ModuleType):
 
         class CuFile:
             def __init__(self, path, flags="r"):
-                assert flags == "r" and fake.settings == {"compat_mode": "ON", "num_threads": parallel.IO_THREADS}
+                assert flags == "r" and fake.settings == {"compat_mode": "ON", "num_threads": parallel.IO_THREADS,
+                                                          "auto_direct_io_read": False}
                 self._f = open(path, "rb")
 
             def __enter__(self):

@@ -148,7 +148,7 @@ _limits(OPTIM)
 
 
 def _loads(suffix: str) -> None:
-    stem, raw = _FILES[suffix]
+    stem = _FILES[suffix][0]
     tail = f" {suffix}" if suffix else ""
     h5, pt, st = f"{stem}.h5", f"{stem}.pt", f"{stem}.safetensors"
 

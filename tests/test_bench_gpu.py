@@ -49,6 +49,21 @@ def _run(name: str, ctx: contenders.Ctx):
     return op(), nbytes
 
 
+def _on(device: torch.device, monkeypatch) -> None:
+    """The G. contenders load to ``device``: the CPU here, CUDA on a GPU machine (gpu_check.sh
+    runs these tests there first, with the peers it installed: a peer that breaks on CUDA shows
+    in gpu-tests.txt before the benchmark)."""
+    if device.type == "cpu":
+        monkeypatch.setenv(gpu.DEVICE_ENV, "cpu")
+    else:
+        monkeypatch.delenv(gpu.DEVICE_ENV, raising=False)
+    monkeypatch.setenv("FASTSAFETENSORS_ODIRECT", "")  # what a contender sets is undone afterwards
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, device: torch.device) -> bool:
+    return got.device.type == device.type and torch.equal(got.cpu(), want)
+
+
 def test_the_optimizer_state_has_6000_small_tensors_in_every_format(files) -> None:
     from safetensors.torch import load_file
 
@@ -68,29 +83,27 @@ _FULL_LOADS = ["tensorstore_h5 load(device=cuda)", "tensorstore_h5 load_into (CU
 
 @pytest.mark.parametrize("name", [f"G.{who}{tail}" for who in _FULL_LOADS for tail in ("", f" {gpu.OPTIM}")]
                          + ["G.fastsafetensors fastsafe_open(nogds) + get_tensor, its default O_DIRECT reads"])
-def test_each_full_load_returns_every_tensor_of_the_checkpoint(files, monkeypatch, name) -> None:
-    monkeypatch.setenv(gpu.DEVICE_ENV, "cpu")
-    monkeypatch.setenv("FASTSAFETENSORS_ODIRECT", "")  # what the contender sets is undone afterwards
+def test_each_full_load_returns_every_tensor_of_the_checkpoint(files, monkeypatch, name, device) -> None:
+    _on(device, monkeypatch)
     if "fastsafetensors" in name:
         pytest.importorskip("fastsafetensors")
     expected = th5.load(files.path("optim.h5" if gpu.OPTIM in name else "ckpt.h5"))
     got, nbytes = _run(name, files)
     assert sorted(got) == sorted(expected) and nbytes == sum(t.nbytes for t in expected.values())
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert all(_same(got[k], expected[k], device) for k in expected)
     if "fastsafetensors" in name:  # through the page cache as every contender, or with its default
         assert os.environ["FASTSAFETENSORS_ODIRECT"] == ("1" if "O_DIRECT" in name else "0")
 
 
-def test_the_partial_loads_return_the_same_keys_and_rows(files, monkeypatch) -> None:
-    monkeypatch.setenv(gpu.DEVICE_ENV, "cpu")
-    monkeypatch.setenv("FASTSAFETENSORS_ODIRECT", "")
+def test_the_partial_loads_return_the_same_keys_and_rows(files, monkeypatch, device) -> None:
+    _on(device, monkeypatch)
     pytest.importorskip("fastsafetensors")
     full = th5.load(files.path("ckpt.h5"))
     keys = list(full)[::100]
     for name in ("G.tensorstore_h5 load 1% of keys (cuda)", "G.safetensors safe_open(device=cuda) 1% of keys",
                  "G.fastsafetensors 1% of keys (set_tensor_filter)"):
         got, nbytes = _run(name, files)
-        assert sorted(got) == sorted(keys) and all(torch.equal(got[k], full[k]) for k in keys), name
+        assert sorted(got) == sorted(keys) and all(_same(got[k], full[k], device) for k in keys), name
         assert nbytes == sum(full[k].nbytes for k in keys)
     rows = {k: max(1, len(t) // 100) for k, t in full.items()}
     for name in ("G.tensorstore_h5 1% row slice of every tensor (cuda)",
@@ -98,13 +111,13 @@ def test_the_partial_loads_return_the_same_keys_and_rows(files, monkeypatch) -> 
                  "G.fastsafetensors 1% row slices (the whole file to the GPU, sliced)"):
         got, nbytes = _run(name, files)
         assert sorted(got) == sorted(full), name
-        assert all(torch.equal(got[k], full[k][:n]) for k, n in rows.items()), name
+        assert all(_same(got[k], full[k][:n], device) for k, n in rows.items()), name
         assert nbytes == sum(got[k].nbytes for k in got)
 
 
 @pytest.mark.parametrize("suffix", ["", gpu.OPTIM])
-def test_the_limits_read_and_copy_every_byte_of_the_raw_file(files, monkeypatch, suffix) -> None:
-    monkeypatch.setenv(gpu.DEVICE_ENV, "cpu")
+def test_the_limits_read_and_copy_every_byte_of_the_raw_file(files, monkeypatch, suffix, device) -> None:
+    _on(device, monkeypatch)
     tail = f" {suffix}" if suffix else ""
     raw = files.path("optim.bin" if suffix else "raw.bin")
     for name in (f"G.L.file read into pinned memory, I/O threads{tail}", f"G.L.pinned host-to-device copy{tail}"):
@@ -173,3 +186,15 @@ def test_kvikio_reads_every_byte_of_the_raw_file_in_compat_mode(files, monkeypat
     with open(files.path("raw.bin"), "rb") as f:
         raw = f.read()
     assert nbytes == len(raw) and bytes(got.numpy()) == raw
+
+
+@pytest.mark.cuda
+def test_kvikio_reads_every_byte_into_cuda_memory(files, monkeypatch) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA is not available")
+    pytest.importorskip("kvikio")
+    _on(torch.device("cuda"), monkeypatch)
+    got, nbytes = _run(KVIKIO, files)
+    with open(files.path("raw.bin"), "rb") as f:
+        raw = f.read()
+    assert got.is_cuda and nbytes == len(raw) and bytes(got.cpu().numpy()) == raw

@@ -53,10 +53,10 @@ stage "bench --gpu"
 python -m tensorstore_h5.bench --gpu --only "${ONLY:-G.}" --size-gb "${SIZE_GB:-2}" --repeat "${REPEAT:-3}" \
   ${SETTLE:+--settle "$SETTLE"} --json "$out/gpu.json" 2>&1 | tee "$out/gpu.txt" || failed=1
 # The first load in a fresh process, staging buffers pinned by cudaHostRegister (the default) and
-# through torch's pin_memory.
+# through torch's pin_memory; then the 6,000-tensor state's loads and where their time goes.
 if [ "${PHASES:-1}" != 0 ]; then
   stage "phases"
-  timeout 90 python bench/gpu_phases.py "${SIZE_GB:-2}" first:2x64 first:2x64/torch 2>&1 \
+  timeout 120 python bench/gpu_phases.py "${SIZE_GB:-2}" first:2x64 first:2x64/torch small 2>&1 \
     | tee "$out/gpu-phases.txt" || true
 fi
 stage "done"

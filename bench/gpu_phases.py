@@ -1,5 +1,6 @@
 """Where the time of load(device="cuda") goes, on a GPU machine: first and repeated calls,
-load_into, staging sizes, ways to pin, and a profile. Prints figures only;
+load_into, staging sizes, ways to pin, a profile, and ("small") the 6,000-tensor optimizer
+state of the bench's GPU group. Prints figures only;
 python bench/gpu_phases.py [GB [PHASE[@ENV=VALUE] ...]]."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 import torch
 
 PATH = "/tmp/gpu_phases.h5"
+SMALL = "/tmp/gpu_phases_optim.h5"  # phase "small": the bench's optimizer state of 6,000 tensors
 
 
 def timed(f):
@@ -105,6 +107,18 @@ def child(what: str) -> None:
         s1, _ = timed(lambda: th5.load(PATH, device="cuda"))
         print(f"  {what}: first call {s0 * 1e3:.1f} ms ({n / s0 / 1e9:.2f} GB/s), second {s1 * 1e3:.1f} ms")
         return
+    if what == "small":  # many small tensors: the first and second load, then where a load's time goes
+        m = os.path.getsize(SMALL)
+        s0, _ = timed(lambda: th5.load(SMALL, device="cuda"))
+        s1, _ = timed(lambda: th5.load(SMALL, device="cuda"))
+        print(f"  small (6,000 tensors, {m / 1e9:.2f} GB): first call {s0 * 1e3:.1f} ms ({m / s0 / 1e9:.2f} GB/s), "
+              f"second {s1 * 1e3:.1f} ms")
+        prof = cProfile.Profile()
+        prof.enable()
+        timed(lambda: th5.load(SMALL, device="cuda"))
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(8)
+        return
     if what.startswith("load"):
         if ":" in what:
             nb, sz = what.split(":")[1].split("x")
@@ -145,7 +159,11 @@ def main() -> None:
     del sd
     print(f"file {os.path.getsize(PATH) / 1e9:.2f} GB, {os.cpu_count()} cores")
     firsts = [f"first:{c}" for c in ("2x64", "2x64/torch", "2x32") for _ in range(2)]
-    whats = sys.argv[2:] or ("alloc", "pinning", "pinways", *firsts, "load", "load:4x64", "into", "threads")
+    whats = sys.argv[2:] or ("alloc", "pinning", "pinways", *firsts, "load", "load:4x64", "into", "threads", "small")
+    if any(w.partition("@")[0] == "small" for w in whats):
+        from tensorstore_h5.bench.synthetic import bench_optimizer_state
+
+        th5.save(bench_optimizer_state(int(gb * 1e9 / 4)), SMALL)
     for what in whats:  # NAME@ENV=VALUE runs phase NAME with that environment variable set
         print(what)
         what, _, env = what.partition("@")

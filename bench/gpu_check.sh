@@ -21,7 +21,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && site=/tmp/site || echo "note: the carried wheels did not install; their contenders will be skipped"
 fi
-pip install -q --no-deps --no-build-isolation -e . 2>/dev/null || site="$PWD${site:+:$site}"
+python -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null || true
+python -c "import tensorstore_h5" 2>/dev/null || site="$PWD${site:+:$site}"  # not installed: from the checkout
 [ -n "$site" ] && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 # fastsafetensors dlopens "libcudart.so", which a pip-installed torch ships only as libcudart.so.<major>:
 # where no unversioned one is found, one is linked to torch's (the workaround a user of it needs).

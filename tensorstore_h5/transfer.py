@@ -161,6 +161,18 @@ def _give_back(pool: _PinnedPool, bufs: list[torch.Tensor | None], events: list[
     pool.give(bufs)
 
 
+def _fill_all(parts: list[tuple[Fill, int, int, int]], buf: torch.Tensor) -> None:
+    """One I/O job of :meth:`Stager.copy_many`: ``fill(offset, buf[at:at + n])`` for each part
+    in order. Consecutive parts share a job while together they hold at most a read piece, so
+    a buffer of thousands of small tensors costs about one job a thread, not one a tensor
+    (measured with the CPU standing in as the device: 6,000 tensors of a few bytes cost ~20 us
+    a tensor in futures and hand-offs between threads holding the GIL); a part that would take
+    a job past a piece (a large tensor's) starts the next one, so large tensors are read with
+    as many threads as before."""
+    for fill, offset, at, n in parts:
+        fill(offset, buf[at:at + n])
+
+
 class Stager:
     """Copies bytes produced block by block on the host into contiguous device tensors.
 
@@ -240,8 +252,19 @@ class Stager:
             if len(inflight) == len(self._bufs):
                 complete_oldest()  # the reads into this slot's previous bytes
             buf = self._acquire(slot, used)
-            jobs = [functools.partial(fill, start + a, buf[at + a:at + min(n, a + piece)])
-                    for _, _, fill, start, at, n in queued for a in range(0, n, piece)]
+            jobs: list[Callable[[], None]] = []
+            group: list[tuple[Fill, int, int, int]] = []  # consecutive parts of at most a piece, in order
+            grouped = 0
+            for _, _, fill, start, at, n in queued:
+                for a in range(0, n, piece):
+                    k = min(n - a, piece)
+                    if group and grouped + k > piece:
+                        jobs.append(functools.partial(_fill_all, group, buf))
+                        group, grouped = [], 0
+                    group.append((fill, start + a, at + a, k))
+                    grouped += k
+            if group:
+                jobs.append(functools.partial(_fill_all, group, buf))
             inflight.append((slot, buf, parallel.submit_jobs(jobs), queued))
             queued, used, blocks = [], 0, blocks + 1
 

@@ -145,6 +145,33 @@ def test_copy_many_packs_tensors_into_the_buffers_in_order(monkeypatch) -> None:
     assert sum(stager.uses) == -(-sum(sizes) // 1000) and len(threads) > 1  # full buffers, filled by several threads
 
 
+def test_copy_many_reads_small_tensors_in_few_jobs(monkeypatch) -> None:
+    """Thousands of small tensors share thread-pool jobs (consecutive parts of at most a read
+    piece together), each job filling its parts in order. One job a tiny tensor made a load of
+    6,000 small tensors to a device mostly hand-offs between threads."""
+    monkeypatch.setattr(parallel, "SPLIT_MIN_BYTES", 1000)
+    monkeypatch.setattr(parallel, "IO_THREADS", 2)
+    submitted: list[int] = []
+    real_submit = parallel.submit_jobs
+    monkeypatch.setattr(parallel, "submit_jobs", lambda jobs: submitted.append(len(jobs)) or real_submit(jobs))
+    g = torch.Generator().manual_seed(5)
+    srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in [7] * 3000 + [2500, 3]]
+    dests = [torch.zeros_like(s) for s in srcs]
+    order: dict[str, list[int]] = {}
+
+    def fill_of(i, src):
+        def fill(offset: int, buf: torch.Tensor) -> None:
+            order.setdefault(threading.current_thread().name, []).append(i)
+            buf.copy_(src[offset:offset + buf.numel()])
+        return fill
+
+    Stager("cpu", buffers=2, buffer_bytes=4000).copy_many([(d, fill_of(i, s)) for i, (d, s) in enumerate(zip(dests, srcs))])
+    assert all(torch.equal(d, s) for d, s in zip(dests, srcs))
+    total = sum(s.numel() for s in srcs)  # 23,503 bytes: 5 full buffers of 4,000 and one of 3,503
+    assert len(submitted) == -(-total // 4000) and max(submitted) <= 3, submitted  # a piece is 2,000 bytes
+    assert all(seq == sorted(seq) for seq in order.values())  # each job fills its parts in order
+
+
 def test_staging_buffers_are_only_as_large_as_the_staged_bytes() -> None:
     """A few small tensors pin a small buffer, not the full staging size; a later, larger
     load through the same stager grows it up to the buffer size, never past it."""

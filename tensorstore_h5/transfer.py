@@ -230,7 +230,8 @@ class Stager:
         TensorStoreError when the device runs out of memory."""
         piece = max(parallel.SPLIT_MIN_BYTES, self.block_bytes // max(1, parallel.IO_THREADS))
         size = self.block_bytes
-        queued: list[tuple[torch.Tensor, torch.Tensor, Fill, int, int, int]] = []  # dest, flat, fill, start, at, n
+        # dest, its bytes (flat), fill, start in them, at in the buffer, n bytes, the dest's total bytes
+        queued: list[tuple[torch.Tensor, torch.Tensor, Fill, int, int, int, int]] = []
         inflight: collections.deque[tuple[int, torch.Tensor, list[Future[None]], list[Any]]] = collections.deque()
         used = 0
         blocks = 0
@@ -238,10 +239,11 @@ class Stager:
         def complete_oldest() -> None:
             slot, buf, futures, filled = inflight.popleft()
             parallel.wait_all(futures)
-            self._send(slot, [(flat[start:start + n], buf[at:at + n]) for _, flat, _, start, at, n in filled])
+            self._send(slot, [(flat if n == total else flat[start:start + n], buf[at:at + n])
+                              for _, flat, _, start, at, n, total in filled])  # (a whole small tensor: no slice)
             if done is not None:
-                for dest, flat, _, start, _, n in filled:
-                    if start + n == flat.numel():
+                for dest, _, _, start, _, n, total in filled:
+                    if start + n == total:
                         done(dest)
 
         def flush() -> None:
@@ -255,7 +257,7 @@ class Stager:
             jobs: list[Callable[[], None]] = []
             group: list[tuple[Fill, int, int, int]] = []  # consecutive parts of at most a piece, in order
             grouped = 0
-            for _, _, fill, start, at, n in queued:
+            for _, _, fill, start, at, n, _ in queued:
                 for a in range(0, n, piece):
                     k = min(n - a, piece)
                     if group and grouped + k > piece:
@@ -271,13 +273,13 @@ class Stager:
         with self._oom("a batch of keys"), self._joined():
             try:
                 for dest, fill in parts:
-                    flat = dest.reshape(-1).view(torch.uint8) if dest.numel() else None
+                    flat = (dest if dest.dim() == 1 else dest.reshape(-1)).view(torch.uint8) if dest.numel() else None
                     if flat is None:
                         continue
                     start, total = 0, flat.numel()
                     while start < total:
                         n = min(total - start, size - used)
-                        queued.append((dest, flat, fill, start, used, n))
+                        queued.append((dest, flat, fill, start, used, n, total))
                         start += n
                         used += n
                         if used == size:

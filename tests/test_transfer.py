@@ -172,6 +172,22 @@ def test_copy_many_reads_small_tensors_in_few_jobs(monkeypatch) -> None:
     assert all(seq == sorted(seq) for seq in order.values())  # each job fills its parts in order
 
 
+def test_copy_many_fills_tensors_of_any_shape_and_dtype_whole_or_split() -> None:
+    """0-d, 1-d and n-d tensors of several dtypes, some inside one buffer (sent whole, without a
+    slice) and some across buffers: every byte lands in its own tensor."""
+    g = torch.Generator().manual_seed(7)
+    srcs = [torch.tensor(3.5), torch.randn(5, 3, generator=g).to(torch.bfloat16), torch.arange(40),
+            torch.randn(700, generator=g), torch.tensor(True), torch.randint(0, 9, (3, 4, 5), generator=g).to(torch.int16)]
+    dests = [torch.empty_like(t) for t in srcs]
+
+    def fill_of(src):
+        raw = src.reshape(-1).view(torch.uint8) if src.dim() else src.reshape(1).view(torch.uint8)
+        return lambda offset, buf: buf.copy_(raw[offset:offset + buf.numel()])
+
+    Stager("cpu", buffers=2, buffer_bytes=1000).copy_many([(d, fill_of(t)) for d, t in zip(dests, srcs)])
+    assert all(torch.equal(d, t) for d, t in zip(dests, srcs))
+
+
 def test_staging_buffers_are_only_as_large_as_the_staged_bytes() -> None:
     """A few small tensors pin a small buffer, not the full staging size; a later, larger
     load through the same stager grows it up to the buffer size, never past it."""

@@ -219,7 +219,8 @@ class Stager:
         """Fill many contiguous tensors (``(dest, fill)`` pairs, ``fill`` as in :meth:`copy`)
         by packing their bytes into the staging buffers in order: a buffer holds the next
         bytes of one or more tensors, read on the I/O thread pool (each tensor's part in
-        pieces of at most max(:data:`parallel.SPLIT_MIN_BYTES`, buffer size / :data:`parallel.IO_THREADS`)).
+        pieces of at most max(:data:`parallel.SPLIT_MIN_BYTES`, buffer size / :data:`parallel.IO_THREADS`);
+        consecutive small parts share a job up to that size, see :func:`_fill_all`).
 
         The reads of every buffer but one are in flight at once: when all buffers are busy,
         the oldest one's reads are waited for, its copies to the device go out, and once

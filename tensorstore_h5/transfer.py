@@ -25,10 +25,11 @@ from typing import Any, Union
 import torch
 
 from .errors import TensorStoreError
-from .storage import parallel
+from .storage import memory, parallel
 
 __all__ = [
-    "STAGING_BUFFERS", "STAGING_BYTES", "PIN_BY_REGISTER", "GDS", "Device", "Fill", "Stager", "Stagers", "asked_once",
+    "STAGING_BUFFERS", "STAGING_BYTES", "PIN_BY_REGISTER", "GDS", "Device", "Fill", "FileFill", "RUN_GAP", "Stager",
+    "Stagers", "asked_once",
     "device_for", "target_device", "check_available", "staged", "gds_device", "batched", "device_empty", "gds_read",
 ]
 
@@ -161,6 +162,27 @@ def _give_back(pool: _PinnedPool, bufs: list[torch.Tensor | None], events: list[
     pool.give(bufs)
 
 
+RUN_GAP = 4096
+"""Bytes between two tensors of one file (alignment padding: under 64 in files this library
+writes) that :meth:`Stager.copy_many` stages as they lie, so that one read takes both."""
+
+
+class FileFill:
+    """A :data:`Fill` of a tensor stored contiguously at byte ``offset`` of the file ``raw``
+    (``raw.pread(file offset, memoryview)``); ``run(job)`` runs a read of it and names its key
+    when the read fails. :meth:`Stager.copy_many` stages neighbouring ones of one file as they
+    lie in the file (gaps of at most :data:`RUN_GAP` included) and reads each run with one
+    ``pread``: a buffer of thousands of small tensors costs a few reads, not one a tensor."""
+
+    __slots__ = ("raw", "offset", "run")
+
+    def __init__(self, raw: Any, offset: int, run: Callable[[Callable[[], None]], None]) -> None:
+        self.raw, self.offset, self.run = raw, offset, run
+
+    def __call__(self, off: int, buf: torch.Tensor) -> None:
+        self.run(lambda: self.raw.pread(self.offset + off, memory.tensor_buffer(buf)))
+
+
 def _fill_all(parts: list[tuple[Fill, int, int, int]], buf: torch.Tensor) -> None:
     """One I/O job of :meth:`Stager.copy_many`: ``fill(offset, buf[at:at + n])`` for each part
     in order. Consecutive parts share a job while together they hold at most a read piece, so
@@ -168,9 +190,30 @@ def _fill_all(parts: list[tuple[Fill, int, int, int]], buf: torch.Tensor) -> Non
     (measured with the CPU standing in as the device: 6,000 tensors of a few bytes cost ~20 us
     a tensor in futures and hand-offs between threads holding the GIL); a part that would take
     a job past a piece (a large tensor's) starts the next one, so large tensors are read with
-    as many threads as before."""
-    for fill, offset, at, n in parts:
-        fill(offset, buf[at:at + n])
+    as many threads as before. Parts of :class:`FileFill` staged as they lie in one file are
+    read together, with one ``pread``; where that read fails each is read alone, so that the
+    error names its key."""
+    i = 0
+    while i < len(parts):
+        fill, offset, at, n = parts[i]
+        j, end = i + 1, at + n
+        if type(fill) is FileFill:
+            base = fill.offset + offset - at  # the file byte at buffer byte 0, for this run
+            while j < len(parts):
+                f, o, a, k = parts[j]
+                if type(f) is not FileFill or f.raw is not fill.raw or f.offset + o - a != base or a < end:
+                    break
+                end = a + k
+                j += 1
+        if j == i + 1:
+            fill(offset, buf[at:at + n])
+        else:
+            try:
+                fill.raw.pread(base + at, memory.tensor_buffer(buf[at:end]))  # type: ignore[union-attr]
+            except Exception:  # noqa: BLE001 - read each alone: the one that fails says which key
+                for f, o, a, k in parts[i:j]:
+                    f(o, buf[a:a + k])
+        i = j
 
 
 class Stager:
@@ -278,6 +321,12 @@ class Stager:
                     if flat is None:
                         continue
                     start, total = 0, flat.numel()
+                    if queued and type(fill) is FileFill:  # staged as it lies after the last one: one read takes both
+                        last, lstart, lused, ln = queued[-1][2], queued[-1][3], queued[-1][4], queued[-1][5]
+                        if type(last) is FileFill and last.raw is fill.raw:
+                            gap = fill.offset - (last.offset + lstart + ln)
+                            if 0 < gap <= RUN_GAP and lused + ln == used and used + gap < size:
+                                used += gap
                     while start < total:
                         n = min(total - start, size - used)
                         queued.append((dest, flat, fill, start, used, n, total))

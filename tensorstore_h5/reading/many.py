@@ -167,10 +167,10 @@ class Reader(TensorReader):
         raw = self.rawfile()
         of = {id(t): e for e, t in pairs}  # dest -> entry, for done
 
-        def filler(entry: TensorEntry) -> transfer.Fill:
+        def filler(entry: TensorEntry) -> transfer.FileFill:
             where = self.where(entry)
             assert isinstance(where, Contiguous)
-            return lambda off, buf: self.keyed(lambda: raw.pread(where.offset + off, memory.tensor_buffer(buf)), entry)()
+            return transfer.FileFill(raw, where.offset, lambda job: self.keyed(job, entry)())
 
         for dev in dict.fromkeys(t.device for _, t in pairs):
             mine = [(t, filler(e)) for e, t in pairs if t.device == dev]

@@ -324,9 +324,8 @@ class ShardedStore(LayoutView):
             first = piece.offsets[0] if piece.offsets else 0
             rows = piece.shape[0] if piece.shape else 1
 
-            def fill(off: int, buf: torch.Tensor, loc: Any = loc) -> None:
-                _keyed(loc, lambda: loc.raw.pread(loc.offset + off, memory.tensor_buffer(buf)))()
-
+            # (neighbouring pieces of one file are read together: transfer.FileFill)
+            fill = transfer.FileFill(loc.raw, loc.offset, lambda job, loc=loc: _keyed(loc, job)())
             parts.append((first, first + rows, fill))
         return parts
 

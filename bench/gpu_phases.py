@@ -25,6 +25,15 @@ def timed(f):
     return time.perf_counter() - t0, r
 
 
+def profiled(f, top: int) -> None:
+    """Run ``f`` once under cProfile and print its ``top`` costliest functions by own time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    timed(f)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def child(what: str) -> None:
     import tensorstore_h5 as th5
     from tensorstore_h5.storage import memory, parallel
@@ -113,11 +122,7 @@ def child(what: str) -> None:
         s1, _ = timed(lambda: th5.load(SMALL, device="cuda"))
         print(f"  small (6,000 tensors, {m / 1e9:.2f} GB): first call {s0 * 1e3:.1f} ms ({m / s0 / 1e9:.2f} GB/s), "
               f"second {s1 * 1e3:.1f} ms")
-        prof = cProfile.Profile()
-        prof.enable()
-        timed(lambda: th5.load(SMALL, device="cuda"))
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(8)
+        profiled(lambda: th5.load(SMALL, device="cuda"), 8)
         return
     if what.startswith("load"):
         if ":" in what:
@@ -126,11 +131,7 @@ def child(what: str) -> None:
         for i in range(4):
             s, _ = timed(lambda: th5.load(PATH, device="cuda"))
             print(f"  {what} call {i}: {s * 1e3:.1f} ms  {n / s / 1e9:.2f} GB/s")
-        prof = cProfile.Profile()
-        prof.enable()
-        timed(lambda: th5.load(PATH, device="cuda"))
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(6)
+        profiled(lambda: th5.load(PATH, device="cuda"), 6)
         return
     if what == "into":
         tgt = th5.load(PATH, device="cuda")

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import tensorstore_h5 as th5
-from tensorstore_h5 import transfer
 from tensorstore_h5.format import checksum
 from tensorstore_h5.format.slicing import whole
 from tensorstore_h5.reading.many import Reader
+from tensorstore_h5.reading.tensors import TensorReader
 from tensorstore_h5.storage import files
 
 BLOCK = checksum.HASH_BLOCK
@@ -149,7 +149,7 @@ def test_verify_many_reads_each_byte_once_and_names_the_key(tmp_path, monkeypatc
 @pytest.fixture
 def device_cpu(monkeypatch):
     """The CPU as a device: load(device="cpu") takes the staged device branch."""
-    monkeypatch.setattr(transfer, "staged", lambda dev: True)
+    monkeypatch.setattr(TensorReader, "staged", staticmethod(lambda dev: True))
     monkeypatch.setattr("tensorstore_h5.transfer.STAGING_BYTES", 2 * BLOCK)
     real_target = Reader.target
     monkeypatch.setattr(Reader, "target", lambda self, device, key: torch.device("cpu") if device == "cpu"

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import tensorstore_h5 as th5
-from tensorstore_h5 import transfer
 from tensorstore_h5.codecs import decoders as codecs
+from tensorstore_h5.reading.tensors import TensorReader
 from tensorstore_h5.storage import parallel
 
 from helpers import ALL_DTYPES, assert_same_tensor, bits, random_tensor
@@ -185,7 +185,7 @@ def test_damaged_chunk_names_file_and_key(tmp_path) -> None:
 
 def test_compressed_data_streams_through_staging_buffers(tmp_path, monkeypatch) -> None:
     """Device targets: compressed chunks decode into the staging buffers, block = whole chunks."""
-    monkeypatch.setattr(transfer, "staged", lambda dev: True)
+    monkeypatch.setattr(TensorReader, "staged", staticmethod(lambda dev: True))
     monkeypatch.setattr("tensorstore_h5.transfer.STAGING_BYTES", 10_000)
     t = _weights((500, 40), torch.float32, seed=17)
     th5.save({"t": t}, tmp_path / "c.h5", compression="lz4", chunk_bytes=40 * 4 * 16)  # 2560-byte chunks

@@ -15,6 +15,7 @@ import tensorstore_h5 as th5
 from tensorstore_h5 import transfer
 from tensorstore_h5.reading import store as store_mod
 from tensorstore_h5.reading.many import Reader
+from tensorstore_h5.reading.tensors import TensorReader
 from tensorstore_h5.storage import files, memory, parallel
 from tensorstore_h5.transfer import FileFill, Stager
 
@@ -43,7 +44,7 @@ def test_blocks_cover_the_tensor_in_order_and_reuse_two_buffers(nbytes) -> None:
 @pytest.fixture()
 def staged_cpu(monkeypatch):
     """Send CPU targets through the staging path, as device targets go."""
-    monkeypatch.setattr(transfer, "staged", lambda dev: True)
+    monkeypatch.setattr(TensorReader, "staged", staticmethod(lambda dev: True))
     monkeypatch.setattr("tensorstore_h5.transfer.STAGING_BYTES", 1000)
 
 
@@ -68,7 +69,7 @@ def test_store_reads_through_staging_buffers(tmp_path, staged_cpu) -> None:
 def test_staged_blocks_are_read_by_several_threads(tmp_path, monkeypatch) -> None:
     """A contiguous dataset's staging blocks are filled by the I/O threads together, in pieces
     that cover each block once, so a device load is not held to one thread's copy speed."""
-    monkeypatch.setattr(transfer, "staged", lambda dev: True)
+    monkeypatch.setattr(TensorReader, "staged", staticmethod(lambda dev: True))
     monkeypatch.setattr("tensorstore_h5.transfer.STAGING_BYTES", 64 * 1024)
     monkeypatch.setattr(parallel, "SPLIT_MIN_BYTES", 8192)
     monkeypatch.setattr(parallel, "IO_THREADS", 4)

@@ -15,20 +15,22 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import transfer
 from ..display import Progress
 from ..format.layout import ArrayEntry, Container, Contiguous, TensorEntry
 from ..format.slicing import Selection, whole
 from ..format.tree import Leaf
 from ..storage import Deferred, files, memory, parallel
-from ..transfer import Device
 from .tensors import TensorReader, checking, data_bytes
 
+if TYPE_CHECKING:
+    from ..transfer import Device
+
 remote: Any = Deferred(f"{__package__.rpartition('.')[0]}.storage.remote", globals(), "remote")  # URLs only
+transfer: Any = Deferred(f"{__package__.rpartition('.')[0]}.transfer", globals(), "transfer")  # device loads only
 
 __all__ = ["Reader"]
 
@@ -114,7 +116,8 @@ class Reader(TensorReader):
             elif files.READAHEAD_BYTES:  # from a cold cache the kernel reads ahead of the I/O threads
                 self.rawfile().willneed(ranges)
         staged: dict[str, torch.Tensor] = {}
-        device = transfer.asked_once(device)
+        if device is not None:
+            device = transfer.asked_once(device)
         direct = self._streamable(device)
         with self._batched(progress, sum(data_bytes(e) for e in entries), cold) as (bar, plan):
             if device is not None and self.local and transfer.batched():  # to devices: many tensors per buffer
@@ -262,8 +265,9 @@ class Reader(TensorReader):
             self.verify_many([e for e, _ in pairs])
         targets = {id(e): t for e, t in pairs}
         with self._batched(progress, sum(e.nbytes for e, _ in pairs)) as (bar, plan):
-            if self.local and transfer.batched():  # device targets: many tensors per staging buffer
-                staged = [(e, t) for e, t in pairs if transfer.staged(t.device) and t.is_contiguous() and e.nbytes and
+            if self.local and any(self.staged(t.device) for _, t in pairs) and transfer.batched():  # device
+                # targets: many tensors per staging buffer
+                staged = [(e, t) for e, t in pairs if self.staged(t.device) and t.is_contiguous() and e.nbytes and
                           t.dtype == e.dtype.torch_dtype and isinstance(self.where(e), Contiguous)]
                 self._stage_many(staged, lambda e: bar.update(e.nbytes))
                 done = {id(e) for e, _ in staged}

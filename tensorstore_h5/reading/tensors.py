@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .. import transfer
 from ..codecs import DecodeError
 from ..display import human_bytes
 from ..errors import FormatError, MismatchError, RemoteError, TensorStoreError, few
@@ -32,11 +31,13 @@ from ..storage import Deferred, files, memory, parallel
 
 if TYPE_CHECKING:
     from ..storage.libhdf5 import HDF5Read
+    from ..transfer import Device
 
-# imported where they are needed: chunks to decode, files only libhdf5 reads
+# imported where they are needed: chunks to decode, files only libhdf5 reads, tensors bound for
+# a device (a read into CPU memory never imports the device wing: ~0.6 ms of a fresh process)
 decoders: Any = Deferred(f"{__package__.rpartition('.')[0]}.codecs.decoders", globals(), "decoders")
 libhdf5: Any = Deferred(f"{__package__.rpartition('.')[0]}.storage.libhdf5", globals(), "libhdf5")
-from ..transfer import Device
+transfer: Any = Deferred(f"{__package__.rpartition('.')[0]}.transfer", globals(), "transfer")
 from .listing import data_bytes
 
 __all__ = ["TensorReader", "READ_ERRORS", "checking", "data_bytes"]  # (data_bytes: .listing's)
@@ -64,7 +65,7 @@ class TensorReader:
         self.local = isinstance(raw, files.RawFile)
         self._located: dict[tuple[str, int | None], fmt.Extent | HDF5Read] = {}  # format 1 / foreign: checked locations
         self._pack_len: dict[str, int] = {}
-        self._stagers = transfer.Stagers()
+        self._staging: Any = None  # transfer.Stagers, made by the first read to a device
 
     @property
     def closed(self) -> bool:
@@ -73,13 +74,28 @@ class TensorReader:
     def close(self) -> None:
         """Close the file (idempotent); device staging buffers go back to the process's pool."""
         self._located.clear()
-        self._stagers.clear()
+        if self._staging is not None:
+            self._staging.clear()
         if self._file is not None:
             self._file.close()
             self._file = None
         if self._raw is not None:
             self._raw.close()
             self._raw = None
+
+    @property
+    def _stagers(self) -> Any:
+        """The staging buffers of each device this reader has filled tensors of (``transfer.Stagers``)."""
+        if self._staging is None:
+            self._staging = transfer.Stagers()
+        return self._staging
+
+    @staticmethod
+    def staged(device: torch.device) -> bool:
+        """True for a target on a device that reads fill through the staging buffers
+        (:func:`~..transfer.staged`); never for the CPU's memory, whose reads so import no device
+        wing (~0.6 ms of the first read in a fresh process)."""
+        return device.type != "cpu" and transfer.staged(device)
 
     def rawfile(self) -> Any:
         if self._raw is None:
@@ -171,7 +187,7 @@ class TensorReader:
     def target(self, device: Device, key: str) -> torch.device | None:
         """The device a leaf goes to: None for the CPU (any spelling), else a device that
         exists here. Raises TensorStoreError naming the key and the device otherwise."""
-        return transfer.target_device(device, key, self.path)
+        return None if device is None else transfer.target_device(device, key, self.path)
 
     def ranges(self, entry: Any, sel: Selection | None = None) -> list[tuple[int, int]]:
         """The ``(offset, nbytes)`` ranges of the file that reading ``sel`` (all by default) of a
@@ -375,7 +391,7 @@ class TensorReader:
                 assert isinstance(where, Contiguous)
                 raw.pread(where.offset + off, buf)
 
-        if out is not None and transfer.staged(out.device) and out.is_contiguous() and not sel.empty:
+        if out is not None and self.staged(out.device) and out.is_contiguous() and not sel.empty:
             stager = self._stagers[out.device]
             # A compressed tensor's chunks are checked as they decode; contiguous data in the
             # staging buffers, block by block, where whole checksum blocks fit a buffer.

@@ -18,13 +18,14 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Union
 
 import torch
 
 from .errors import TensorStoreError
+from .format import checksum
 from .storage import memory, parallel
 
 __all__ = [
@@ -172,15 +173,38 @@ class FileFill:
     (``raw.pread(file offset, memoryview)``); ``run(job)`` runs a read of it and names its key
     when the read fails. :meth:`Stager.copy_many` stages neighbouring ones of one file as they
     lie in the file (gaps of at most :data:`RUN_GAP` included) and reads each run with one
-    ``pread``: a buffer of thousands of small tensors costs a few reads, not one a tensor."""
+    ``pread``: a buffer of thousands of small tensors costs a few reads, not one a tensor.
 
-    __slots__ = ("raw", "offset", "run")
+    ``hashes``, ``block``: the tensor's stored checksums, one per ``block`` bytes (at most a
+    staging buffer). Then :meth:`Stager.copy_many` cuts the tensor only at multiples of
+    ``block`` and checks each block in the staging buffer on the I/O thread that read it,
+    before it goes to the device (``ChecksumError`` through ``run``): a load checks its bytes
+    without reading them a second time."""
 
-    def __init__(self, raw: Any, offset: int, run: Callable[[Callable[[], None]], None]) -> None:
-        self.raw, self.offset, self.run = raw, offset, run
+    __slots__ = ("raw", "offset", "run", "hashes", "block")
+
+    def __init__(self, raw: Any, offset: int, run: Callable[[Callable[[], None]], None],
+                 hashes: Sequence[int] | None = None, block: int = 0) -> None:
+        if hashes is not None and block <= 0:
+            raise ValueError("FileFill: hashes need a block size")
+        self.raw, self.offset, self.run, self.hashes, self.block = raw, offset, run, hashes, block
 
     def __call__(self, off: int, buf: torch.Tensor) -> None:
-        self.run(lambda: self.raw.pread(self.offset + off, memory.tensor_buffer(buf)))
+        def read() -> None:
+            self.raw.pread(self.offset + off, memory.tensor_buffer(buf))
+            if self.hashes is not None:
+                self.check(off, buf)
+        self.run(read)
+
+    def check(self, off: int, buf: torch.Tensor) -> None:
+        """Check the checksum blocks that ``buf``, the tensor's bytes from ``off`` (a multiple
+        of ``block``) on, holds: whole blocks, the last one ending at the tensor's end or at
+        the buffer's. Raises ChecksumError for one that differs."""
+        assert self.hashes is not None and off % self.block == 0
+        view = memory.tensor_buffer(buf)
+        for at in range(0, len(view), self.block):
+            if checksum.digest(view[at:at + self.block]) != self.hashes[(off + at) // self.block]:
+                raise checksum.ChecksumError(f"bytes {self.offset + off + at}..{self.offset + off + min(len(view), at + self.block)} of the file")
 
 
 def _fill_all(parts: list[tuple[Fill, int, int, int]], buf: torch.Tensor) -> None:
@@ -213,6 +237,10 @@ def _fill_all(parts: list[tuple[Fill, int, int, int]], buf: torch.Tensor) -> Non
             except Exception:  # noqa: BLE001 - read each alone: the one that fails says which key
                 for f, o, a, k in parts[i:j]:
                     f(o, buf[a:a + k])
+            else:
+                for f, o, a, k in parts[i:j]:
+                    if f.hashes is not None:  # type: ignore[union-attr]
+                        f.run(functools.partial(f.check, o, buf[a:a + k]))  # type: ignore[union-attr]
         i = j
 
 
@@ -270,8 +298,11 @@ class Stager:
         those are done it takes the next bytes. So the threads never wait at a per-buffer
         barrier, and a checkpoint of many small tensors fills whole buffers with all threads
         reading. ``done(dest)``: called when the last copy into ``dest`` has been issued (not
-        finished). Raises what a ``fill`` raises (once every read in flight has ended), or
-        TensorStoreError when the device runs out of memory."""
+        finished). A :class:`FileFill` with ``hashes`` is cut only at its checksum blocks' ends
+        (a buffer it would straddle is sent part-full) and checked in the buffer as it is read.
+        Raises what a ``fill`` raises (once every read in flight has ended), ValueError for
+        checksum blocks larger than a buffer, or TensorStoreError when the device runs out of
+        memory."""
         piece = max(parallel.SPLIT_MIN_BYTES, self.block_bytes // max(1, parallel.IO_THREADS))
         size = self.block_bytes
         # dest, its bytes (flat), fill, start in them, at in the buffer, n bytes, the dest's total bytes
@@ -302,8 +333,11 @@ class Stager:
             group: list[tuple[Fill, int, int, int]] = []  # consecutive parts of at most a piece, in order
             grouped = 0
             for _, _, fill, start, at, n, _ in queued:
-                for a in range(0, n, piece):
-                    k = min(n - a, piece)
+                step = piece
+                if type(fill) is FileFill and fill.hashes is not None:  # a job holds whole checksum blocks
+                    step = max(fill.block, piece - piece % fill.block)
+                for a in range(0, n, step):
+                    k = min(n - a, step)
                     if group and grouped + k > piece:
                         jobs.append(functools.partial(_fill_all, group, buf))
                         group, grouped = [], 0
@@ -321,6 +355,9 @@ class Stager:
                     if flat is None:
                         continue
                     start, total = 0, flat.numel()
+                    block = fill.block if type(fill) is FileFill and fill.hashes is not None else 0
+                    if block > size:
+                        raise ValueError(f"checksum blocks of {block} bytes do not fit staging buffers of {size}")
                     if queued and type(fill) is FileFill:  # staged as it lies after the last one: one read takes both
                         last, lstart, lused, ln = queued[-1][2], queued[-1][3], queued[-1][4], queued[-1][5]
                         if type(last) is FileFill and last.raw is fill.raw:
@@ -329,6 +366,11 @@ class Stager:
                                 used += gap
                     while start < total:
                         n = min(total - start, size - used)
+                        if block and n < total - start:  # cut at the end of a checksum block, or in the next buffer
+                            n -= n % block
+                            if not n:
+                                flush()
+                                continue
                         queued.append((dest, flat, fill, start, used, n, total))
                         start += n
                         used += n

@@ -164,6 +164,36 @@ def test_device_loads_are_checked(tmp_path, device_cpu) -> None:
     assert torch.equal(got["a"], sd["a"]) and not torch.equal(got["big"], sd["big"])
 
 
+def test_device_loads_check_in_the_staging_buffers_and_read_each_byte_once(tmp_path, device_cpu, monkeypatch) -> None:
+    """A device load checks each tensor's checksum blocks in the staging buffers as they are
+    read (not by a second read of the file afterwards); with checksum blocks larger than a
+    buffer it still checks them, by that second read."""
+    sd, bad = _damaged(tmp_path, "big", 2 * BLOCK + 3)
+    th5.save(sd, tmp_path / "good.h5")
+    data = sum(t.nbytes for t in sd.values())
+    reads: list[tuple[int, int]] = []
+    real = files.RawFile.pread
+    monkeypatch.setattr(files.RawFile, "pread", lambda self, o, v: reads.append((o, len(v))) or real(self, o, v))
+
+    def load(path, **kw):
+        with th5.open(path) as s:
+            s._entry("a")  # (the HDF5 links are compared with the layout on first use: not counted)
+            reads.clear()
+            return s.load(device="cpu", **kw)
+
+    got = load(tmp_path / "good.h5")
+    assert all(torch.equal(got[k], v) for k, v in sd.items())
+    assert data <= sum(n for _, n in reads) < data + 4096  # each stored byte once (and the padding between)
+    with pytest.raises(th5.FormatError, match=r"bad\.h5.*key 'big'.*checksum"):
+        load(bad)
+    monkeypatch.setattr("tensorstore_h5.transfer.STAGING_BYTES", BLOCK // 2)  # blocks larger than a buffer
+    got = load(tmp_path / "good.h5")
+    assert all(torch.equal(got[k], v) for k, v in sd.items())
+    assert sum(n for _, n in reads) >= data + sd["big"].nbytes  # checked by a second read
+    with pytest.raises(th5.FormatError, match=r"bad\.h5.*key 'big'.*checksum"):
+        load(bad)
+
+
 def test_staged_whole_reads_hash_in_the_buffers_without_reading_twice(tmp_path, device_cpu, monkeypatch) -> None:
     """A whole-tensor read into a new device tensor checks each checksum block in the staging
     buffer it passes through: every stored byte is read once."""

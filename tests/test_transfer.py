@@ -252,6 +252,53 @@ def test_a_failed_read_of_a_run_is_retried_per_tensor_and_names_its_tensor(monke
     assert [o for o, _ in raw.reads[1:]] == offsets[:3]
 
 
+def test_checksummed_tensors_are_cut_at_block_ends_and_checked_in_the_buffers(monkeypatch) -> None:
+    """A FileFill with hashes is cut only where a checksum block ends (the buffer it would
+    straddle goes part-full), and each block is checked in the staging buffer after its read:
+    a flipped byte fails with the tensor's own ``run`` (which names its key)."""
+    from tensorstore_h5.format import checksum
+
+    monkeypatch.setattr(parallel, "IO_THREADS", 1)
+    sizes, block = [300, 900, 100], 256
+    data, offsets = _laid_out(sizes, [0, 0, 0])
+
+    def copy(raw, named=lambda i: (lambda job: job())):
+        dests = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+        fills = [FileFill(raw, o, named(i), checksum.block_hashes(data[o:o + n], block), block)
+                 for i, (o, n) in enumerate(zip(offsets, sizes))]
+        Stager("cpu", buffers=2, buffer_bytes=1000).copy_many(list(zip(dests, fills)))
+        return dests
+
+    raw = _Bytes(data)
+    dests = copy(raw)
+    assert all(bytes(d.tolist()) == data[o:o + n] for d, o, n in zip(dests, offsets, sizes))
+    # 300 B, then 2 of the 900-byte tensor's blocks fit the 700 B left (not 700 B): 812 B;
+    # its last 388 B and the 100-byte tensor fill the next buffer
+    assert raw.reads == [(0, 812), (812, 488)]
+    plain = _Bytes(data)
+    Stager("cpu", buffers=2, buffer_bytes=1000).copy_many(
+        [(torch.zeros(n, dtype=torch.uint8), FileFill(plain, o, lambda job: job())) for o, n in zip(offsets, sizes)])
+    assert plain.reads == [(0, 1000), (1000, 300)]  # without hashes a buffer is filled to its end
+
+    def named(i):
+        def run(job):
+            try:
+                job()
+            except checksum.ChecksumError as e:
+                raise ValueError(f"key t{i}: {e}") from e
+        return run
+
+    flipped = bytearray(data)
+    flipped[offsets[1] + 600] ^= 1  # the 900-byte tensor's third block, in the second buffer
+    with pytest.raises(ValueError, match=r"key t1: bytes 812\.\.1068 of the file"):
+        copy(_Bytes(bytes(flipped)), named)
+    with pytest.raises(ValueError, match="checksum blocks of 2048 bytes"):
+        Stager("cpu", buffers=2, buffer_bytes=1000).copy_many(
+            [(torch.zeros(10, dtype=torch.uint8), FileFill(raw, 0, lambda job: job(), [0], 2048))])
+    with pytest.raises(ValueError, match="need a block size"):
+        FileFill(raw, 0, lambda job: job(), [0])
+
+
 def test_staging_buffers_are_only_as_large_as_the_staged_bytes() -> None:
     """A few small tensors pin a small buffer, not the full staging size; a later, larger
     load through the same stager grows it up to the buffer size, never past it."""

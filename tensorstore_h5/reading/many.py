@@ -123,10 +123,10 @@ class Reader(TensorReader):
             if device is not None and self.local and transfer.batched():  # to devices: many tensors per buffer
                 pairs = [(e, transfer.device_empty(e.shape, e.dtype.torch_dtype, d, e.path)) for e in entries
                          if (d := self._stageable(e, device)) is not None]
-                self._stage_many(pairs, lambda e: bar.update(data_bytes(e)))
+                unchecked = self._stage_many(pairs, lambda e: bar.update(data_bytes(e)), check=verify is not False)
                 staged = {e.path: t for e, t in pairs}
-                if verify is not False:  # their bytes once more, from the page cache, hashed on the I/O threads
-                    self.verify_many([e for e, _ in pairs])
+                if verify is not False:  # bytes not checked in the staging buffers: read once more and hashed
+                    self.verify_many(unchecked)
             for group, filled in self._fetched(entries, direct):
                 for entry in group:
                     if isinstance(entry, Container):
@@ -161,23 +161,35 @@ class Reader(TensorReader):
             return None
         return target
 
-    def _stage_many(self, pairs: list[tuple[TensorEntry, torch.Tensor]], done: Callable[[TensorEntry], None]
-                    ) -> None:
+    def _stage_many(self, pairs: list[tuple[TensorEntry, torch.Tensor]], done: Callable[[TensorEntry], None],
+                    check: bool = False) -> list[TensorEntry]:
         """Fill each contiguous device tensor with its entry's stored bytes (shapes and dtypes
         already match) through the staging buffers of its device, many tensors per buffer
         (:meth:`transfer.Stager.copy_many`). ``done(entry)`` as each one's copies are issued.
-        Raises FormatError naming the key for a read that fails."""
+        ``check``: check the stored checksums in the staging buffers as the bytes arrive, so
+        they are read once (a device load's default; the tensors are new, so one that fails
+        changes nothing the caller holds). Returns the entries it could not check that way
+        (checksum blocks larger than a staging buffer), for :meth:`verify_many`. Raises
+        FormatError naming the key for a read that fails or bytes whose checksum differs."""
         raw = self.rawfile()
         of = {id(t): e for e, t in pairs}  # dest -> entry, for done
+        unchecked: list[TensorEntry] = []
 
-        def filler(entry: TensorEntry) -> transfer.FileFill:
+        def filler(entry: TensorEntry, stager: transfer.Stager) -> transfer.FileFill:
             where = self.where(entry)
             assert isinstance(where, Contiguous)
-            return transfer.FileFill(raw, where.offset, lambda job: self.keyed(job, entry)())
+            run = lambda job: self.keyed(job, entry)()  # noqa: E731
+            if check and where.hashes is not None:
+                if where.block <= stager.block_bytes:
+                    return transfer.FileFill(raw, where.offset, run, where.hashes, where.block)
+                unchecked.append(entry)
+            return transfer.FileFill(raw, where.offset, run)
 
         for dev in dict.fromkeys(t.device for _, t in pairs):
-            mine = [(t, filler(e)) for e, t in pairs if t.device == dev]
-            self._stagers[dev].copy_many(mine, lambda t: done(of[id(t)]))
+            stager = self._stagers[dev]
+            mine = [(t, filler(e, stager)) for e, t in pairs if t.device == dev]
+            stager.copy_many(mine, lambda t: done(of[id(t)]))
+        return unchecked
 
     def _fetched(self, entries: list[Any], direct: Callable[[Any], bool] | None = None
                  ) -> Iterator[tuple[list[Any], dict[str, torch.Tensor]]]:

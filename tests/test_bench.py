@@ -227,6 +227,7 @@ def test_gpu_ratios_name_each_target_and_the_limit_is_the_slower_stage() -> None
     o = f" {gpu.OPTIM}"
     rows = [_row("G.L.file read into pinned memory, I/O threads", 0.05), _row("G.L.pinned host-to-device copy", 0.04),
             _row("G.tensorstore_h5 load(device=cuda)", 0.1), _row("G.fastsafetensors fastsafe_open(nogds) + get_tensor", 0.2),
+            _row("G.tensorstore_h5 load(device=cuda, verify=False)", 0.0625),
             _row("G.L.file read into pinned memory, I/O threads" + o, 0.01), _row("G.L.pinned host-to-device copy" + o, 0.02),
             _row("G.tensorstore_h5 load(device=cuda)" + o, 0.04),
             _row("G.tensorstore_h5 1% row slice of every tensor (cuda)", 0.01),
@@ -236,6 +237,9 @@ def test_gpu_ratios_name_each_target_and_the_limit_is_the_slower_stage() -> None
     text = "\n".join(lines)
     assert "GPU load / min(read pinned, H2D) (>= 0.85)" in text and "  0.50   0.50" in text
     assert "GPU load of 6,000 tensors / min(read pinned, H2D) (>= 0.85)" in text and "  0.50" in text
+    unchecked = [line for line in lines if "GPU load, verify=False / min(read pinned, H2D)" in line]
+    assert len(unchecked) == 1 and unchecked[0].split()[-2:] == ["0.80", "0.80"]
+    assert "GPU load of 6,000 tensors, verify=False" not in text  # (no such row: no line)
     assert "GPU load vs fastsafetensors (>= 1)" in text and "  2.00" in text
     assert "1% row slices to the GPU vs safetensors" in text and "  3.00" in text
     assert "GPU load: peak host RSS growth (MiB; <= 256)" in text

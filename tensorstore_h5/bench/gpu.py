@@ -159,6 +159,15 @@ def _loads(suffix: str) -> None:
         dev = _device()
         return _synced(lambda: th5.load(ctx.path(h5), device=dev)), _data(ctx, stem)
 
+    @contender(f"G.tensorstore_h5 load(device=cuda, verify=False){tail}", "gpu", reads=(h5,))
+    def _(ctx: Ctx) -> Timed:
+        """The same load without checking the stored checksums (the default checks each block in
+        the staging buffer that holds it): what checking costs a load to the GPU."""
+        import tensorstore_h5 as th5
+
+        dev = _device()
+        return _synced(lambda: th5.load(ctx.path(h5), device=dev, verify=False)), _data(ctx, stem)
+
     @contender(f"G.tensorstore_h5 load_into (CUDA targets){tail}", "gpu", reads=(h5,))
     def _(ctx: Ctx) -> Timed:
         import tensorstore_h5 as th5
@@ -348,12 +357,14 @@ def _(ctx: Ctx) -> Timed:
 
 GPU_ORDER = [
     "G.L.file read into pinned memory, I/O threads", "G.L.pinned host-to-device copy", "G.tensorstore_h5 load(device=cuda)",
+    "G.tensorstore_h5 load(device=cuda, verify=False)",
     "G.tensorstore_h5 load_into (CUDA targets)", "G.torch.load(map_location=cuda)",
     "G.safetensors load_file(device=cuda)", "G.fastsafetensors fastsafe_open(nogds) + get_tensor",
     "G.fastsafetensors fastsafe_open(nogds) + get_tensor, its default O_DIRECT reads",
     "G.kvikio CuFile.read, compatibility mode (the file's bytes, one buffer)",
     f"G.L.file read into pinned memory, I/O threads {OPTIM}", f"G.L.pinned host-to-device copy {OPTIM}",
-    f"G.tensorstore_h5 load(device=cuda) {OPTIM}", f"G.tensorstore_h5 load_into (CUDA targets) {OPTIM}",
+    f"G.tensorstore_h5 load(device=cuda) {OPTIM}", f"G.tensorstore_h5 load(device=cuda, verify=False) {OPTIM}",
+    f"G.tensorstore_h5 load_into (CUDA targets) {OPTIM}",
     f"G.torch.load(map_location=cuda) {OPTIM}", f"G.safetensors load_file(device=cuda) {OPTIM}",
     f"G.fastsafetensors fastsafe_open(nogds) + get_tensor {OPTIM}",
     "G.tensorstore_h5 load 1% of keys (cuda)", "G.safetensors safe_open(device=cuda) 1% of keys",
@@ -377,6 +388,8 @@ def gpu_ratios(by: dict[str, dict[str, Any]], ratio: Callable[..., None], echo: 
             by[limit] = {k: max(r[k] for r in limits if r) for k in ("best_s", "median_s")}
             ratio(ours, limit, f"GPU load{of} / min(read pinned, H2D) (>= 0.85)")
             ratio(f"G.tensorstore_h5 load_into (CUDA targets){tail}", limit, f"load_into CUDA targets{of} / min(read pinned, H2D) (>= 0.85)")
+            ratio(f"G.tensorstore_h5 load(device=cuda, verify=False){tail}", limit,
+                  f"GPU load{of}, verify=False / min(read pinned, H2D)")
         ratio(ours, f"G.fastsafetensors fastsafe_open(nogds) + get_tensor{tail}", f"GPU load{of} vs fastsafetensors (>= 1)")
         if not suffix:
             ratio(ours, "G.fastsafetensors fastsafe_open(nogds) + get_tensor, its default O_DIRECT reads",

@@ -204,7 +204,8 @@ class FileFill:
         view = memory.tensor_buffer(buf)
         for at in range(0, len(view), self.block):
             if checksum.digest(view[at:at + self.block]) != self.hashes[(off + at) // self.block]:
-                raise checksum.ChecksumError(f"bytes {self.offset + off + at}..{self.offset + off + min(len(view), at + self.block)} of the file")
+                first = self.offset + off + at
+                raise checksum.ChecksumError(f"bytes {first}..{first + min(len(view) - at, self.block)} of the file")
 
 
 def _fill_all(parts: list[tuple[Fill, int, int, int]], buf: torch.Tensor) -> None:

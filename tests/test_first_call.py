@@ -56,7 +56,7 @@ def test_opening_and_listing_imports_no_read_planner(tmp_path) -> None:
 
 def test_reads_into_cpu_memory_import_no_device_wing(tmp_path) -> None:
     """Slices, ``out=`` reads, loads (mapped or not), streams and ``load_into`` of CPU targets
-    never import ``transfer`` (staging buffers, pinned memory, GPUDirect Storage: ~0.6 ms of a
+    never import ``transfer`` (staging buffers, pinned memory, GPUDirect Storage: ~0.3 ms of a
     fresh process); naming a device does."""
     path = tmp_path / "f.h5"
     th5.save({"model": {"w": torch.randn(64, 8), "b": torch.zeros(8)}, "step": 3}, path)

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..transfer import Device
 
 # imported where they are needed: chunks to decode, files only libhdf5 reads, tensors bound for
-# a device (a read into CPU memory never imports the device wing: ~0.6 ms of a fresh process)
+# a device (a read into CPU memory never imports the device wing: ~0.3 ms of a fresh process)
 decoders: Any = Deferred(f"{__package__.rpartition('.')[0]}.codecs.decoders", globals(), "decoders")
 libhdf5: Any = Deferred(f"{__package__.rpartition('.')[0]}.storage.libhdf5", globals(), "libhdf5")
 transfer: Any = Deferred(f"{__package__.rpartition('.')[0]}.transfer", globals(), "transfer")
@@ -94,7 +94,7 @@ class TensorReader:
     def staged(device: torch.device) -> bool:
         """True for a target on a device that reads fill through the staging buffers
         (:func:`~..transfer.staged`); never for the CPU's memory, whose reads so import no device
-        wing (~0.6 ms of the first read in a fresh process)."""
+        wing (~0.3 ms of the first read in a fresh process)."""
         return device.type != "cpu" and transfer.staged(device)
 
     def rawfile(self) -> Any:

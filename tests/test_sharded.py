@@ -692,6 +692,41 @@ def test_device_loads_of_whole_row_pieces_go_through_the_staging_buffers(tmp_pat
     assert not s._stagers  # closing drops the stagers: their pinned buffers go back to the pool
 
 
+def test_device_loads_of_a_directory_check_whole_row_pieces_as_they_are_read(tmp_path, staged_cpu, monkeypatch) -> None:
+    """Whole-row pieces staged to a device are checked in the staging buffers, so each stored
+    byte is read once; a damaged one is refused naming the rank file and its key; pieces whose
+    checksum blocks do not fit a buffer are still checked, by a second read."""
+    from tensorstore_h5.storage import files
+
+    path, e = _four_rank_dir(tmp_path)
+    data = e.nbytes + 8 * 4
+    reads: list[int] = []
+    real = files.RawFile.pread
+    monkeypatch.setattr(files.RawFile, "pread", lambda self, o, v: reads.append(len(v)) or real(self, o, v))
+
+    def load() -> dict:
+        with ShardedStore(path) as s:
+            for k in s.keys():
+                s._located(s._layout.entry(k), sharded.store.select_index((), s[k].shape))  # files opened, checked
+            reads.clear()
+            return s.load(device="cpu")
+
+    got = load()
+    assert torch.equal(got["model"]["e"], e) and torch.equal(got["model"]["b"], torch.arange(8.0))
+    assert data <= sum(reads) < data + 4 * 4096  # once (and the padding between pieces)
+    with ShardedStore(path) as s:
+        piece = s["model/e"].pieces[2]
+    _flip_data_byte(path, piece.file, "model/e", 100, 0x10)
+    with pytest.raises(th5.FormatError, match=f"{piece.file}.*'model/e'.*checksum"):
+        load()
+    monkeypatch.setattr(transfer, "STAGING_BYTES", 4096)  # a piece's checksum block (its 64 KiB) over a buffer
+    with pytest.raises(th5.FormatError, match=f"{piece.file}.*'model/e'.*checksum"):
+        load()
+    _flip_data_byte(path, piece.file, "model/e", 100, 0x10)  # mended
+    got = load()
+    assert torch.equal(got["model"]["e"], e) and sum(reads) >= data + e.nbytes  # checked by a second read
+
+
 @pytest.mark.parametrize("when", ["opening", "reading data"])
 def test_an_io_error_in_a_rank_file_names_the_file_and_the_key(tmp_path, staged_cpu, monkeypatch, when) -> None:
     """An I/O error while a rank file is opened and checked, or while a staged piece is read,

@@ -16,10 +16,12 @@ import numpy as np
 import torch
 
 from ..errors import FormatError, TensorStoreError
+from ..format import checksum
 from ..format import layout as fmt
 from ..format.dtypes import DtypeSpec, bits_view
 from ..format.layout import ArrayEntry, Chunked, Contiguous, TensorEntry
 from ..format.slicing import Selection, contiguous_stride
+from ..reading.tensors import why
 from ..storage import files, memory, parallel
 from .index import DirectoryIndex, Piece, ShardedArrayEntry, ShardedTensorEntry
 
@@ -47,13 +49,17 @@ WINDOW_BYTES = 2 << 20
 
 class Loc(NamedTuple):
     """A located piece: raw row-major bytes at ``offset`` of ``raw`` (uncompressed data), or
-    ``handle`` (a TensorHandle of a compressed dataset), or neither (no elements)."""
+    ``handle`` (a TensorHandle of a compressed dataset), or neither (no elements). Raw bytes of a
+    format-2 file come with their checksums: ``hashes``, one per ``block`` bytes (None: none
+    stored, as in safetensors files)."""
 
     path: str
     key: str
     raw: files.RawFile | None = None
     offset: int = 0
     handle: Any = None
+    hashes: tuple[int, ...] | None = None
+    block: int = 0
 
 
 class Th5Files:
@@ -141,7 +147,8 @@ class Th5Files:
                               f"{self.index.path} records {entry.dtype.name}")
         where = e.extent
         if isinstance(where, Contiguous):
-            return Loc(full, piece.key, raw=store._reader.rawfile(), offset=where.offset)
+            return Loc(full, piece.key, raw=store._reader.rawfile(), offset=where.offset, hashes=where.hashes,
+                       block=where.block)
         if isinstance(where, Chunked):
             from ..reading.store import TensorHandle
 
@@ -313,8 +320,8 @@ def _keyed(loc: Loc, job: Callable[[], None]) -> Callable[[], None]:
             job()
         except TensorStoreError:
             raise
-        except (OSError, EOFError, ValueError) as e:
-            raise FormatError(f"{loc.path}: key {loc.key!r}: cannot read the data ({e})") from e
+        except (OSError, EOFError, ValueError, checksum.ChecksumError) as e:  # (checked in a staging buffer)
+            raise FormatError(f"{loc.path}: key {loc.key!r}: {why(e)}") from e
     return run
 
 

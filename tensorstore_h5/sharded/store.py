@@ -266,9 +266,11 @@ class ShardedStore(LayoutView):
             device: where tensors go: None (CPU), a device, or a mapping / callable from key
                 path to device.
             progress: a progress bar by bytes (see :func:`tensorstore_h5.save`).
-            verify: check the stored checksums of every piece read (one more pass over the
-                bytes, from the page cache, hashed on the I/O threads): by default (None) and
-                with True; not with False. Safetensors directories carry no checksums.
+            verify: check the stored checksums of every piece read: by default (None) and
+                with True; not with False. Pieces of whole rows staged to a device are checked in
+                the staging buffers as they are read; the others by one more pass over their
+                bytes, from the page cache, hashed on the I/O threads. Safetensors directories
+                carry no checksums.
         """
         included = self._included(select)
         entries = self._layout.select(included)
@@ -278,6 +280,7 @@ class ShardedStore(LayoutView):
         items: list[Any] = []
         pending: list[tuple[int, ShardedTensorEntry, torch.Tensor]] = []
         staged: dict[torch.device, list[tuple[torch.Tensor, transfer.Fill]]] = {}
+        checked: set[int] = set()  # id() of the entries staged with every block checked as it was read
         try:
             reads = Reads()
             for entry in entries:
@@ -285,11 +288,15 @@ class ShardedStore(LayoutView):
                     items.append(entry)
                 elif isinstance(entry, ShardedTensorEntry):
                     dev = self._check_device(device, entry.path)
-                    parts = self._stageable(entry) if dev is not None and transfer.staged(dev) and transfer.batched() else None
+                    parts = None
+                    if dev is not None and transfer.staged(dev) and transfer.batched():
+                        parts = self._stageable(entry, dev if verify is not False else None)
                     if parts is not None:
                         assert dev is not None
                         t = transfer.device_empty(entry.shape, entry.dtype.torch_dtype, dev, entry.path)
                         _queue_rows(staged, t, parts)
+                        if verify is not False and all(f.hashes is not None for _, _, f in parts):
+                            checked.add(id(entry))  # every piece's blocks checked in the staging buffers
                     else:
                         t = self._empty(entry, entry.shape)
                         self._fill(entry, select_index((), entry.shape), t, reads)
@@ -302,30 +309,37 @@ class ShardedStore(LayoutView):
                     items.append(Leaf(entry.path, entry.key, self._read_leaf(entry, device, verify)))
             reads.run()
             self._copy_staged(staged, bar)
-            if verify is not False:
-                self._verify_many([entry for _, entry, _ in pending])
+            if verify is not False:  # what was read on the host, or staged without checksums that fit a buffer
+                self._verify_many([entry for _, entry, _ in pending if id(entry) not in checked])
         finally:
             bar.close()
         for i, entry, t in pending:
             items[i] = Leaf(entry.path, entry.key, self._finish(t, entry, device))
         return tree.inflate(items)
 
-    def _stageable(self, entry: ShardedTensorEntry) -> list[tuple[int, int, transfer.Fill]] | None:
+    def _stageable(self, entry: ShardedTensorEntry, check_on: torch.device | None = None
+                   ) -> list[tuple[int, int, transfer.Fill]] | None:
         """For a tensor going to a device: ``(first row, end row, fill)`` of each stored piece
         when every piece holds whole rows (offsets only in the first dimension) as raw bytes,
         so each piece is one contiguous range of the destination filled through the staging
         buffers (``fill(offset, buf)`` reads its bytes; errors name the file and the key);
         None when a piece is compressed or narrower than the rows (then it is read on the host
-        and copied)."""
+        and copied). ``check_on``: the device whose staging buffers check the pieces' checksums
+        as they are read (a :class:`transfer.FileFill` with ``hashes``, for pieces whose
+        checksum blocks fit a buffer); None: not checked there."""
+        located = self._located(entry, select_index((), entry.shape))  # checked, and covered
+        if any(any(piece.offsets[1:]) or tuple(piece.shape[1:]) != tuple(entry.shape[1:]) or loc.raw is None
+               for loc, piece, _, _ in located):
+            return None
+        within = self._stagers[check_on].block_bytes if check_on is not None else 0
         parts = []
-        for loc, piece, _, _ in self._located(entry, select_index((), entry.shape)):  # checked, and covered
-            if any(piece.offsets[1:]) or tuple(piece.shape[1:]) != tuple(entry.shape[1:]) or loc.raw is None:
-                return None
+        for loc, piece, _, _ in located:
             first = piece.offsets[0] if piece.offsets else 0
             rows = piece.shape[0] if piece.shape else 1
-
             # (neighbouring pieces of one file are read together: transfer.FileFill)
-            fill = transfer.FileFill(loc.raw, loc.offset, lambda job, loc=loc: _keyed(loc, job)())
+            checks = loc.hashes is not None and 0 < loc.block <= within
+            fill = transfer.FileFill(loc.raw, loc.offset, lambda job, loc=loc: _keyed(loc, job)(),
+                                     loc.hashes if checks else None, loc.block if checks else 0)
             parts.append((first, first + rows, fill))
         return parts
 

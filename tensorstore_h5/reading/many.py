@@ -277,9 +277,9 @@ class Reader(TensorReader):
             self.verify_many([e for e, _ in pairs])
         targets = {id(e): t for e, t in pairs}
         with self._batched(progress, sum(e.nbytes for e, _ in pairs)) as (bar, plan):
-            if self.local and any(self.staged(t.device) for _, t in pairs) and transfer.batched():  # device
-                # targets: many tensors per staging buffer
-                staged = [(e, t) for e, t in pairs if self.staged(t.device) and t.is_contiguous() and e.nbytes and
+            on_device = [(e, t) for e, t in pairs if self.staged(t.device)] if self.local else []
+            if on_device and transfer.batched():  # device targets: many tensors per staging buffer
+                staged = [(e, t) for e, t in on_device if t.is_contiguous() and e.nbytes and
                           t.dtype == e.dtype.torch_dtype and isinstance(self.where(e), Contiguous)]
                 self._stage_many(staged, lambda e: bar.update(e.nbytes))
                 done = {id(e) for e, _ in staged}

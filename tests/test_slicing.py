@@ -24,3 +24,24 @@ def test_row_ranges_and_integers() -> None:
         select(5, (5,))
     with pytest.raises(IndexError, match="negative or zero step"):
         select(slice(None, None, -1), (5,))
+
+
+def test_a_lone_slice_selects_what_the_general_walk_selects() -> None:
+    """``h[a:b:c]`` takes a shortcut past the general walk of index tuples; both agree, and
+    agree with what torch selects, for bounds in and out of range, empty ranges and steps."""
+    import torch
+
+    bounds = [None, -12, -5, -1, 0, 1, 3, 7, 12]
+    for shape in [(7,), (7, 3), (0, 2), (7, 0, 2)]:
+        base = torch.arange(max(1, torch.Size(shape).numel())).reshape(-1)[: torch.Size(shape).numel()].reshape(shape)
+        for a in bounds:
+            for b in bounds:
+                for step in (None, 1, 2, 5):
+                    sl = slice(a, b, step)
+                    fast, general = select(sl, shape), select((sl,), shape)
+                    assert fast == general, (shape, sl)
+                    assert fast.shape == tuple(base[sl].shape), (shape, sl)
+    with pytest.raises(IndexError, match="too many indices"):
+        select(slice(1, 2), ())
+    with pytest.raises(IndexError, match="negative or zero step"):
+        select(slice(3, 1, -1), (5, 2))

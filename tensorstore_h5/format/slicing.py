@@ -29,6 +29,11 @@ class Selection:
     step: tuple[int, ...]
     shape: tuple[int, ...]
 
+    def __init__(self, source: tuple[int, ...], start: tuple[int, ...], count: tuple[int, ...],
+                 step: tuple[int, ...], shape: tuple[int, ...]) -> None:
+        # One update, not the record's generic keyword handling: a selection is made per read.
+        self.__dict__.update(source=source, start=start, count=count, step=step, shape=shape)
+
     @property
     def full(self) -> bool:
         """True when the selection is the whole dataset in order."""
@@ -64,6 +69,13 @@ def select(index: Any, shape: tuple[int, ...]) -> Selection:
     """
     if index is Ellipsis or (type(index) is tuple and not index):
         return whole(shape)
+    if type(index) is slice and shape:  # h[a:b], the commonest index, without the general walk below
+        shape = tuple(shape)
+        a, b, s = index.indices(shape[0])
+        if s > 0:
+            c = max(0, (b - a + s - 1) // s)
+            rest, more = shape[1:], len(shape) - 1
+            return Selection(shape, (a if c else 0,) + (0,) * more, (c, *rest), (s,) + (1,) * more, (c, *rest))
     items = index if isinstance(index, tuple) else (index,)
     if sum(1 for it in items if it is Ellipsis) > 1:
         raise IndexError("an index can only have a single ellipsis ('...')")

@@ -23,6 +23,7 @@ __all__ = [
     "InvalidPathError",
     "TensorStoreWarning",
     "RemoteError",
+    "DecodeError",
     "NAMED_KEYS",
     "few",
 ]
@@ -103,6 +104,12 @@ class InvalidPathError(PathError, ValueError):
 class RemoteError(TensorStoreError, OSError):
     """A remote object could not be read or written: the message names the URL (raised by
     ``storage.remote``; defined here so that readers catch it without importing that)."""
+
+
+class DecodeError(Exception):
+    """A chunk that does not decode to exactly its bytes (damaged or hostile): raised by the
+    decoders (``codecs.decoders``, which also name it), caught by readers as a damaged file;
+    defined here so that a reader catches it without importing the codecs wing."""
 
 
 class TensorStoreWarning(UserWarning):

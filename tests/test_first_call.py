@@ -54,6 +54,21 @@ def test_opening_and_listing_imports_no_read_planner(tmp_path) -> None:
     assert all(m in mods for m in planner)
 
 
+def test_a_slice_imports_no_display_codecs_or_convert_module(tmp_path) -> None:
+    """A slice of a local format-2 file shows nothing, decodes nothing and converts nothing:
+    ``display`` (sizes in reprs and messages, progress bars of loads), the ``codecs`` package
+    (``DecodeError`` lives in ``errors``) and ``convert`` are not imported (~0.2-0.6 ms each of
+    a fresh process); a repr, a load and ``th5.convert`` import theirs."""
+    path = tmp_path / "f.h5"
+    th5.save({"model": {"w": torch.randn(64, 8)}, "step": 3}, path)
+    lazy = ("tensorstore_h5.display", "tensorstore_h5.codecs", "tensorstore_h5.convert")
+    code = f"import tensorstore_h5 as th5\nwith th5.open({str(path)!r}) as s: s['model/w'][:2]; s['model/w'][3]\n"
+    mods = _imported_after(code)
+    assert "tensorstore_h5.reading.tensors" in mods and [m for m in mods if m in lazy] == []
+    mods = _imported_after(code + f"repr(th5.open({str(path)!r})); th5.load({str(path)!r}); th5.convert\n")
+    assert "tensorstore_h5.display" in mods and "tensorstore_h5.convert" in mods
+
+
 def test_reads_into_cpu_memory_import_no_device_wing(tmp_path) -> None:
     """Slices, ``out=`` reads, loads (mapped or not), streams and ``load_into`` of CPU targets
     never import ``transfer`` (staging buffers, pinned memory, GPUDirect Storage: ~0.3 ms of a

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import DecodeError
+
 __all__ = ["DecodeError"]
 
 _SUBMODULES = frozenset({"decoders", "presets"})
-
-
-class DecodeError(Exception):
-    """A chunk that does not decode to exactly its bytes (damaged or hostile). Defined here so
-    that readers catch it without importing the decoders."""
 
 
 def __getattr__(name: str) -> Any:

@@ -14,7 +14,6 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from ..display import human_bytes
 from ..errors import FormatError, KeyNotFoundError
 from ..format import checksum
 from ..format import layout as fmt
@@ -182,6 +181,8 @@ class Listing(LayoutView):
         self.close()
 
     def __repr__(self) -> str:
+        from ..display import human_bytes
+
         n_t = sum(1 for e in self._layout.leaves if isinstance(e, TensorEntry))
         version = f"v{self._layout.version}" if self._layout.version else "foreign HDF5"
         state = ", closed" if self.closed else ""

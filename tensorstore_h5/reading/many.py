@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..display import Progress
 from ..format.layout import ArrayEntry, Container, Contiguous, TensorEntry
 from ..format.slicing import Selection, whole
 from ..format.tree import Leaf
@@ -27,6 +26,7 @@ from ..storage import Deferred, files, memory, parallel
 from .tensors import TensorReader, checking, data_bytes
 
 if TYPE_CHECKING:
+    from ..display import Progress
     from ..transfer import Device
 
 remote: Any = Deferred(f"{__package__.rpartition('.')[0]}.storage.remote", globals(), "remote")  # URLs only
@@ -306,6 +306,8 @@ class Reader(TensorReader):
         with a bar each tensor is read as it comes, so the bar moves); ``cold`` (the bytes are
         not in the page cache): the plan keeps :data:`parallel.COLD_IO_THREADS` reads in flight. An
         error inside the block abandons the plan's queued reads; the bar is closed either way."""
+        from ..display import Progress  # (a slice or one tensor read shows no bar)
+
         bar = Progress(progress, desc=f"loading {os.path.basename(self.path)}")
         bar.total(nbytes)
         threads = parallel.COLD_IO_THREADS if cold else None

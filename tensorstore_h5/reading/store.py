@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..display import human_bytes
 from ..errors import FormatError, KeyNotFoundError
 from ..format import tree
 from ..format import layout as fmt
@@ -210,6 +209,8 @@ class TensorHandle(EntryView):
         return tree_html(repr(self), [row], nest=False)
 
     def __repr__(self) -> str:
+        from ..display import human_bytes
+
         e = self._entry
         dtype = str(self.dtype).removeprefix("torch.")
         return f"<TensorHandle {e.path!r} shape={list(e.shape)} dtype={dtype} {human_bytes(e.nbytes)}>"
@@ -257,8 +258,10 @@ class Store(Listing):
     def _reader(self) -> Reader:
         """The reads of this store's file (:class:`~.many.Reader`), made on first use: the read
         planner's modules are ~1.5 ms of a fresh process's first open, which a listing of the
-        keys does not need. Threads that read first together get the one reader."""
-        from .many import Reader
+        keys does not need. Threads that read first together get the one reader. The collector
+        is paused for the import, as for the package's lazy names (``tensorstore_h5._bind``)."""
+        with memory.gc_paused():
+            from .many import Reader
 
         return self.__dict__.setdefault("_reader", Reader(self.path, *self._source))
 

@@ -19,9 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..codecs import DecodeError
-from ..display import human_bytes
-from ..errors import FormatError, MismatchError, RemoteError, TensorStoreError, few
+from ..errors import DecodeError, FormatError, MismatchError, RemoteError, TensorStoreError, few
 from ..format import checksum
 from ..format import layout as fmt
 from ..format.dtypes import bits_view
@@ -280,6 +278,8 @@ class TensorReader:
         try:
             return memory.empty(shape, entry.dtype.torch_dtype, populate)
         except (OSError, MemoryError, RuntimeError) as e:
+            from ..display import human_bytes
+
             nbytes = math.prod(shape) * entry.dtype.itemsize
             raise TensorStoreError(f"{self.path}: key {entry.path!r}: cannot allocate {human_bytes(nbytes)} for "
                                    f"{list(shape)} {entry.dtype.name} ({e})") from e

@@ -20,7 +20,6 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..display import human_bytes
 from ..errors import (
     FileAccessError, FormatError, InvalidPathError, MissingFileError, NotRegularFileError, PathError,
 )
@@ -169,6 +168,8 @@ def read_small(path: str | os.PathLike[str], limit: int = MAX_JSON_BYTES, what: 
     shown = _shown(os.fspath(path))
 
     def too_big(size: int | str) -> FormatError:
+        from ..display import human_bytes
+
         return FormatError(f"{shown}: the {what} is {size} bytes, more than the {human_bytes(limit)} a {what} may "
                            "hold; refused without reading it")
 

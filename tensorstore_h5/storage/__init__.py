@@ -21,15 +21,13 @@ class Deferred:
     it in place of itself under ``name`` in ``namespace`` (a module's globals), so later uses
     are plain attribute lookups. For modules that most calls of their importer do not need
     (libhdf5 or the remote client when a local format-2 file is read: the first open in a
-    fresh process pays for every import). The collector is paused for the import (its new
-    objects would otherwise set off collections over everything torch holds)."""
+    fresh process pays for every import)."""
 
     def __init__(self, module: str, namespace: dict[str, Any], name: str) -> None:
         self.__dict__.update(_module=module, _namespace=namespace, _name=name)
 
     def __getattr__(self, attr: str) -> Any:
-        with gc_paused():
-            module = importlib.import_module(self._module)
+        module = importlib.import_module(self._module)
         self._namespace[self._name] = module
         return getattr(module, attr)
 

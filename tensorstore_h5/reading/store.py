@@ -258,10 +258,8 @@ class Store(Listing):
     def _reader(self) -> Reader:
         """The reads of this store's file (:class:`~.many.Reader`), made on first use: the read
         planner's modules are ~1.5 ms of a fresh process's first open, which a listing of the
-        keys does not need. Threads that read first together get the one reader. The collector
-        is paused for the import, as for the package's lazy names (``tensorstore_h5._bind``)."""
-        with memory.gc_paused():
-            from .many import Reader
+        keys does not need. Threads that read first together get the one reader."""
+        from .many import Reader
 
         return self.__dict__.setdefault("_reader", Reader(self.path, *self._source))
 

@@ -554,3 +554,29 @@ def _named(job, key):
         except EOFError as e:
             raise KeyError(key) from e
     return run
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(3, 4), lambda: torch.randn(5).bfloat16(), lambda: torch.tensor(3.5),
+    lambda: torch.tensor([True, False, True]), lambda: torch.nn.Parameter(torch.randn(3)),
+    lambda: torch.randn(4, 1).as_strided((4, 1), (1, 5)), lambda: torch.randn(1, 1).as_strided((1, 1), (7, 3)),
+    lambda: torch.randn(3, dtype=torch.complex64), lambda: torch.randn(3, dtype=torch.complex64).conj(),
+    lambda: torch.randn(2, 3, 4, dtype=torch.float64)[1], lambda: torch.randn(4).to(torch.float8_e4m3fn),
+    lambda: torch.empty(2, 0),
+], ids=["f32", "bf16", "0-d", "bool", "parameter", "size-1 stride", "1x1 strides", "complex", "conj view",
+        "offset view", "float8", "empty"])
+def test_tensor_buffer_holds_the_stored_bytes_of_every_kind_of_tensor(make) -> None:
+    """Every contiguous tensor, whatever its dtype, grad, strides of size-1 dimensions or
+    conjugate bit, gives a writable view of exactly the bytes its storage holds at its offset."""
+    import ctypes
+
+    from tensorstore_h5.storage import memory
+
+    t = make()
+    n = t.numel() * t.element_size()
+    view = memory.tensor_buffer(t)
+    assert len(view) == n and not view.readonly and view.format == "B"
+    assert bytes(view) == ctypes.string_at(t.data_ptr(), n)
+    if n:
+        view[0:1] = bytes([ctypes.string_at(t.data_ptr(), 1)[0] ^ 0xFF])  # writes land in the tensor
+        assert bytes(view) == ctypes.string_at(t.data_ptr(), n)

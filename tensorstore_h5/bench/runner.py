@@ -76,6 +76,7 @@ def worker(name: str, ctx: Ctx, not_before: float = 0.0, settle: float = 0.0, pr
     import tensorstore_h5
 
     tensorstore_h5._import_all()  # the package's public API resolves lazily: import it here, untimed, as peers are
+    import tensorstore_h5.reading.many  # noqa: F401  # and a store's reader, made on its first read (the F. group times these)
     try:
         op, nbytes = CONTENDERS[name][1](ctx)
     except Skip as e:

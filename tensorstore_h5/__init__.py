@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING, Any
 # Importing the package does not import torch (about 2 s): the command line's --help and usage
 # errors need none of it. The names that need torch are imported on first use (PEP 562), each
 # with its own module only (``th5.open`` of a file imports no writer, DCP or sharded code).
+# ``convert`` is bound here, not on first use: importing the submodule ``tensorstore_h5.convert``
+# (the command line does) would set the package's attribute ``convert`` to the module.
+from .convert import convert  # imports torch only when called
 from .errors import (
     FileAccessError, FormatError, InvalidPathError, KeyNotFoundError, MismatchError, MissingFileError,
     NotRegularFileError, PathError, TensorStoreError, TensorStoreWarning, UnsupportedTypeError, WriteError,
@@ -25,7 +28,6 @@ from .errors import (
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from .api import LoadResult, load, load_into, open
     from .codecs.presets import PRESETS
-    from .convert import convert
     from .format.constants import FORMAT_VERSION
     from .format.tree import escape, unescape
     from .reading.compare import Diff, Stats
@@ -73,7 +75,7 @@ _LAZY = {
     "Store": "reading.store", "TensorHandle": "reading.store", "ShardedStore": "sharded",
     "Diff": "reading.compare", "Stats": "reading.compare",
     "save_async": "writing.background", "Writer": "writing.writer", "save": "writing.writer",
-    "reindex": "writing.reindex", "convert": "convert",
+    "reindex": "writing.reindex",
 }
 """The public names imported on first use, and the module (under this package) of each."""
 

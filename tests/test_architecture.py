@@ -205,4 +205,4 @@ def test_importing_the_package_imports_no_wing() -> None:
     code = ("import sys, tensorstore_h5; "
             "print(sorted(m for m in sys.modules if m.startswith('tensorstore_h5.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert eval(out) == ["tensorstore_h5.errors"]  # noqa: S307
+    assert eval(out) == ["tensorstore_h5.convert", "tensorstore_h5.errors"]  # noqa: S307

@@ -54,19 +54,29 @@ def test_opening_and_listing_imports_no_read_planner(tmp_path) -> None:
     assert all(m in mods for m in planner)
 
 
-def test_a_slice_imports_no_display_codecs_or_convert_module(tmp_path) -> None:
-    """A slice of a local format-2 file shows nothing, decodes nothing and converts nothing:
-    ``display`` (sizes in reprs and messages, progress bars of loads), the ``codecs`` package
-    (``DecodeError`` lives in ``errors``) and ``convert`` are not imported (~0.2-0.6 ms each of
-    a fresh process); a repr, a load and ``th5.convert`` import theirs."""
+def test_a_slice_imports_no_display_or_codecs_module(tmp_path) -> None:
+    """A slice of a local format-2 file shows nothing and decodes nothing: ``display`` (sizes
+    in reprs and messages, progress bars of loads) and the ``codecs`` package (``DecodeError``
+    lives in ``errors``) are not imported (~0.2-0.3 ms each of a fresh process); a repr and a
+    load import ``display``."""
     path = tmp_path / "f.h5"
     th5.save({"model": {"w": torch.randn(64, 8)}, "step": 3}, path)
-    lazy = ("tensorstore_h5.display", "tensorstore_h5.codecs", "tensorstore_h5.convert")
+    lazy = ("tensorstore_h5.display", "tensorstore_h5.codecs")
     code = f"import tensorstore_h5 as th5\nwith th5.open({str(path)!r}) as s: s['model/w'][:2]; s['model/w'][3]\n"
     mods = _imported_after(code)
     assert "tensorstore_h5.reading.tensors" in mods and [m for m in mods if m in lazy] == []
-    mods = _imported_after(code + f"repr(th5.open({str(path)!r})); th5.load({str(path)!r}); th5.convert\n")
-    assert "tensorstore_h5.display" in mods and "tensorstore_h5.convert" in mods
+    mods = _imported_after(code + f"repr(th5.open({str(path)!r})); th5.load({str(path)!r})\n")
+    assert "tensorstore_h5.display" in mods
+
+
+def test_convert_stays_the_function_whatever_imports_its_module_first() -> None:
+    """``th5.convert`` is the function even after something imports the submodule of the same
+    name (the command line, ``from tensorstore_h5.convert import ...``), which sets the
+    package's attribute to the module: so it is bound when the package is imported, not lazily."""
+    code = ("import tensorstore_h5.convert, tensorstore_h5 as th5, types\n"
+            "assert callable(th5.convert) and not isinstance(th5.convert, types.ModuleType), th5.convert\n"
+            "from tensorstore_h5 import convert\nassert callable(convert)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
 def test_reads_into_cpu_memory_import_no_device_wing(tmp_path) -> None:

@@ -71,11 +71,9 @@ def select(index: Any, shape: tuple[int, ...]) -> Selection:
         return whole(shape)
     if type(index) is slice and shape:  # h[a:b], the commonest index, without the general walk below
         shape = tuple(shape)
-        a, b, s = index.indices(shape[0])
-        if s > 0:
-            c = max(0, (b - a + s - 1) // s)
-            rest, more = shape[1:], len(shape) - 1
-            return Selection(shape, (a if c else 0,) + (0,) * more, (c, *rest), (s,) + (1,) * more, (c, *rest))
+        a, c, s = _slice_range(index, shape[0])
+        rest, more = shape[1:], len(shape) - 1
+        return Selection(shape, (a,) + (0,) * more, (c, *rest), (s,) + (1,) * more, (c, *rest))
     items = index if isinstance(index, tuple) else (index,)
     if sum(1 for it in items if it is Ellipsis) > 1:
         raise IndexError("an index can only have a single ellipsis ('...')")
@@ -92,11 +90,8 @@ def select(index: Any, shape: tuple[int, ...]) -> Selection:
     start, count, step, out = [], [], [], []
     for dim, (it, n) in enumerate(zip(expanded, shape)):
         if isinstance(it, slice):
-            a, b, s = it.indices(n)
-            if s <= 0:
-                raise IndexError("slices with a negative or zero step are not supported; flip the result instead")
-            c = max(0, (b - a + s - 1) // s)
-            start.append(a if c else 0)
+            a, c, s = _slice_range(it, n)
+            start.append(a)
             count.append(c)
             step.append(s)
             out.append(c)
@@ -118,6 +113,16 @@ def select(index: Any, shape: tuple[int, ...]) -> Selection:
             count.append(1)
             step.append(1)
     return Selection(tuple(shape), tuple(start), tuple(count), tuple(step), tuple(out))
+
+
+def _slice_range(it: slice, n: int) -> tuple[int, int, int]:
+    """``(start, count, step)`` of slice ``it`` on a dimension of ``n`` elements (start 0 when
+    it selects none). Raises IndexError for a negative or zero step."""
+    a, b, s = it.indices(n)
+    if s <= 0:
+        raise IndexError("slices with a negative or zero step are not supported; flip the result instead")
+    c = max(0, (b - a + s - 1) // s)
+    return (a if c else 0), c, s
 
 
 def _empty_indices(it: Any) -> bool:

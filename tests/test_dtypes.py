@@ -17,6 +17,34 @@ def test_registry_names_round_trip() -> None:
         assert spec.h5_type.get_size() == spec.itemsize == dtype.itemsize
 
 
+def test_a_dtype_name_is_checked_against_the_torch_that_is_loaded() -> None:
+    """spec_for_name remembers its answers only once torch is loaded: a file listed before
+    torch's import and read after it still meets a torch without the file's dtype (an older
+    one: simulated by deleting the attribute), and such a torch's answer stays None."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+from tensorstore_h5.format.dtypes import spec_for_name
+assert "torch" not in sys.modules
+assert spec_for_name("float8_e5m2").name == "float8_e5m2"
+import torch
+del torch.float8_e5m2
+assert spec_for_name("float8_e5m2") is None and spec_for_name("float8_e5m2") is None
+assert spec_for_name("float32").name == "float32" and spec_for_name("float32") is spec_for_name("float32")
+assert spec_for_name("float128") is None and spec_for_name("float128") is None
+try:
+    spec_for_name(["float32"])
+except TypeError:
+    pass
+else:
+    raise AssertionError("an unhashable name")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
 def test_every_creatable_dtype_is_covered_or_refused() -> None:
     for dtype in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}:
         if dtype.is_quantized if hasattr(dtype, "is_quantized") else str(dtype).startswith("torch.q"):

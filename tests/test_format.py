@@ -287,6 +287,45 @@ def _v2_layout(tmp_path: Path, n: int, edit=None) -> tuple[fmt.Layout, list[str]
     return fmt.parse_layout_v2(b"\n".join([head, *lines]), "many.h5", path.stat().st_size), sorted(index)[1:]
 
 
+@pytest.mark.parametrize("hashes", [
+    ["%016X" % 0xABCDEF], ["0x" + "0" * 14], [" " + "0" * 15], ["0" * 15 + "\n"], ["0_" + "0" * 14],
+    ["\u0663" * 16], ["+" + "0" * 15], ["0" * 15, "0" * 17], [0, 0], [None, "0" * 16], [["0" * 16], "0" * 16], ["0" * 32],
+])
+def test_block_hashes_are_16_lower_case_hex_digits_each(tmp_path, hashes) -> None:
+    """The entry parser checks all of an entry's hashes at once (a joined string): each must
+    still be exactly 16 of ``0-9a-f``, not whatever ``int(h, 16)`` takes (upper case, ``0x``,
+    blanks, ``_``, signs, other scripts' digits), and two hashes of 15 and 17 digits are not two
+    of 16. A two-block tensor (8 MiB blocks) has room for two."""
+    path = tmp_path / "two.h5"
+    th5.save({"big": torch.zeros(2**21 + 1), "small": torch.ones(3)}, path)
+    with h5py.File(path) as f:
+        head, *lines = bytes(f["%layout"][()]).split(b"\n")
+    index = {p: i for i, p in enumerate(json.loads(head)["paths"])}
+    entry = json.loads(lines[index["big"]])
+    assert len(entry["xxh3"]) == 2
+    good = fmt.parse_layout_v2(b"\n".join([head, *lines]), "two.h5", path.stat().st_size)
+    assert good.entry("big").extent.hashes == tuple(int(h, 16) for h in entry["xxh3"])
+    lines[index["big"]] = json.dumps(dict(entry, xxh3=hashes)).encode()
+    layout = fmt.parse_layout_v2(b"\n".join([head, *lines]), "two.h5", path.stat().st_size)
+    with pytest.raises(th5.FormatError, match=r"two.h5: damaged layout entry .*key 'big'.*invalid hash"):
+        layout.entry("big")
+    assert layout.entry("small").shape == (3,)
+
+
+@pytest.mark.parametrize("name", ["w", "layers.0.w", "%", "%25", "a%2Fb", "%2E", "%2E%2E", ".", "..", "", "a\x00b",
+                                  "é", "\ud800", "a%zz", "%2e", "x y", "%C3%A9"])
+def test_a_keys_name_is_unescaped_as_tree_unescape_does(name) -> None:
+    """parse_key takes a plain ASCII name as it is without calling tree.unescape: the answer,
+    or the refusal, is still unescape's."""
+    try:
+        expected = th5.unescape(name)
+    except ValueError:
+        with pytest.raises(ValueError):
+            fmt.parse_key({}, "m/" + name, {"m": "dict"})
+    else:
+        assert fmt.parse_key({}, "m/" + name, {"m": "dict"}) == expected
+
+
 def test_entries_split_across_lines_are_refused_by_the_bulk_parse(tmp_path) -> None:
     def split(lines, index):  # t05's line gets t06's first field; t06's line keeps the rest
         i, j = index["t05"], index["t06"]

@@ -178,13 +178,23 @@ def spec_for_torch(dtype: torch.dtype, key: str = "") -> DtypeSpec:
     )
 
 
+_WITH_TORCH: dict[str, DtypeSpec | None] = {}
+"""spec_for_name's answers once torch is loaded (at most one a known name)."""
+_UNSEEN = object()
+
+
 def spec_for_name(name: str) -> DtypeSpec | None:
     """The spec whose file name is ``name`` (``"bfloat16"``), or None if unknown (also where
     torch is loaded and has no such dtype: an older torch than the file's writer)."""
+    spec = _WITH_TORCH.get(name, _UNSEEN)  # (an entry's dtype, asked for thousands of times a layout)
+    if spec is not _UNSEEN:
+        return spec  # type: ignore[return-value]
     spec = _BY_NAME.get(name)
     torch = sys.modules.get("torch")
-    if spec is not None and torch is not None and not isinstance(getattr(torch, name, None), torch.dtype):
-        return None
+    if spec is not None and torch is not None:
+        if not isinstance(getattr(torch, name, None), torch.dtype):
+            spec = None
+        _WITH_TORCH[name] = spec
     return spec
 
 

@@ -959,12 +959,13 @@ def _parse_entry_v2(item: Any, path: str, kind: str, layout: Layout, i: int) -> 
     spec = spec_for_name(item.get("dtype"))  # type: ignore[arg-type]
     if spec is None:
         raise ValueError(f"unknown torch dtype {item.get('dtype')!r}")
-    stride = _parse_stride(item, shape)
-    for flag in ("parameter", "requires_grad"):
-        if flag in item and item[flag] is not True:
-            raise ValueError(f"{flag} must be true when present")
-    if "requires_grad" in item and not _differentiable(spec):
-        raise ValueError(f"a {spec.name} tensor cannot require grad")
+    stride = _parse_stride(item, shape) if "stride" in item else None
+    if "parameter" in item or "requires_grad" in item:
+        for flag in ("parameter", "requires_grad"):
+            if flag in item and item[flag] is not True:
+                raise ValueError(f"{flag} must be true when present")
+        if "requires_grad" in item and not _differentiable(spec):
+            raise ValueError(f"a {spec.name} tensor cannot require grad")
     same_as = item.get("same_as")
     if same_as is not None:
         if item.keys() & {"at", "chunks", "xxh3"}:
@@ -1003,6 +1004,9 @@ def _parse_stride(item: dict[str, Any], shape: tuple[int, ...]) -> tuple[int, ..
     return stride
 
 
+_HEX_DIGITS = "0123456789abcdef"
+
+
 def _parse_extent(item: dict[str, Any], shape: tuple[int, ...], itemsize: int, layout: Layout) -> Extent | None:
     nbytes = math.prod(shape) * itemsize
     size = layout.file_size
@@ -1014,7 +1018,13 @@ def _parse_extent(item: dict[str, Any], shape: tuple[int, ...], itemsize: int, l
     hashes = item.get("xxh3")
     if type(hashes) is not list:
         raise ValueError("missing or invalid xxh3")
-    parsed = tuple(map(checksum.from_hex, hashes))
+    try:  # strings of 16 lower-case hex digits, checked together (from_hex, a call a hash, names a bad one)
+        hexes = not "".join(hashes).strip(_HEX_DIGITS)
+    except TypeError:
+        hexes = False
+    parsed = tuple([int(h, 16) for h in hashes if len(h) == 16]) if hexes else None
+    if parsed is None or len(parsed) != len(hashes):
+        parsed = tuple(map(checksum.from_hex, hashes))
     if ("at" in item) == ("chunks" in item):
         raise ValueError("needs exactly one of 'at' and 'chunks'")
     if "at" in item:
@@ -1175,6 +1185,8 @@ def parse_key(item: dict[str, Any], path: str, types: Mapping[str, str]) -> Any:
         if type(key) is str or tree.name_for_key(key, path) != name:
             raise ValueError(f"key {key!r} does not match name {name!r}")
         return key
+    if name.isascii() and "%" not in name and "\x00" not in name and name not in ("", ".", ".."):
+        return name  # nothing escaped (tree.unescape's answer, without its call: a key an entry)
     return tree.unescape(name)
 
 

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os as _os
 import sys as _sys
 from importlib import import_module as _import_module
 from importlib.util import find_spec as _find_spec
@@ -26,7 +27,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
-    from .api import LoadResult, load, load_into, open
+    from .api import LoadResult, load, load_into
     from .codecs.presets import PRESETS
     from .format.constants import FORMAT_VERSION
     from .format.tree import escape, unescape
@@ -70,7 +71,7 @@ __all__ = [
 
 
 _LAZY = {
-    "open": "api", "load": "api", "load_into": "api", "LoadResult": "api", "PRESETS": "codecs.presets",
+    "load": "api", "load_into": "api", "LoadResult": "api", "PRESETS": "codecs.presets",
     "FORMAT_VERSION": "format.constants", "escape": "format.tree", "unescape": "format.tree",
     "Store": "reading.store", "TensorHandle": "reading.store", "ShardedStore": "sharded",
     "Diff": "reading.compare", "Stats": "reading.compare",
@@ -80,26 +81,52 @@ _LAZY = {
 """The public names imported on first use, and the module (under this package) of each."""
 
 
+def open(path: Any, *, storage_options: dict[str, Any] | None = None) -> Store | ShardedStore:
+    """Open ``path`` read-only (use it as a context manager): a local path, an fsspec URL
+    (``https://``, ``s3://``, ``file://``; ``storage_options`` go to fsspec) or a readable,
+    seekable binary file object, as a :class:`Store`; a local directory (a checkpoint written by
+    many ranks, or a Hugging Face sharded safetensors checkpoint: docs/DISTRIBUTED.md) as a
+    :class:`ShardedStore`, the same interface over its global tensors.
+
+    Raises:
+        FileNotFoundError: no such file or directory.
+        FormatError: not a checkpoint this library reads, or a damaged one (names the file).
+        RemoteError: a URL that cannot be read.
+    """
+    # Here, not in api.py: the first open of a file imports the reader's modules only (the
+    # ~0.5 ms of api.py's import is load_into's); the first import of each is made with the
+    # collector paused, as a lazy name's (see _bind).
+    if isinstance(path, (str, _os.PathLike)) and _os.path.isdir(path):
+        opener = _first_use("ShardedStore")
+        return opener(path)  # type: ignore[no-any-return]
+    opener = _first_use("Store")
+    return opener(path, storage_options=storage_options)  # type: ignore[no-any-return]
+
+
+def _first_use(name: str) -> Any:
+    """The lazy name ``name`` (imported and bound on the first call, as ``th5.<name>`` would be)."""
+    value = globals().get(name)
+    return value if value is not None else _bind(name)
+
+
 def diff(a: Any, b: Any, select: Any = None, *, storage_options: dict[str, Any] | None = None, **options: Any) -> Diff:
     """Compare two checkpoints key by key, streaming (memory holds a few tensors, never a
     checkpoint): ``a`` and ``b`` are anything :func:`open` takes (files, URLs, checkpoint
     directories, Hugging Face shards) or lone ``.safetensors`` files. Returns a :class:`Diff`,
     rows of ``key``, ``status``, ``max_abs``, ``rel_l2``, ... (a table with a figure in
     Jupyter); ``select``, ``progress`` and ``verify``: :func:`tensorstore_h5.reading.compare.diff`."""
-    from .api import open as opener
     from .reading.compare import diff as compare
 
-    return compare(a, b, select, opener=lambda p: opener(p, storage_options=storage_options), **options)
+    return compare(a, b, select, opener=lambda p: open(p, storage_options=storage_options), **options)
 
 
 def stats(source: Any, select: Any = None, *, storage_options: dict[str, Any] | None = None, **options: Any) -> Stats:
     """Per-tensor ``mean``, ``std``, ``min``, ``max`` and counts of ``nan``, ``inf`` and
     ``zeros`` of a checkpoint (anything :func:`open` takes, or a store), streaming, in float64.
     Returns a :class:`Stats`; details: :func:`tensorstore_h5.reading.compare.stats`."""
-    from .api import open as opener
     from .reading.compare import stats as compare
 
-    return compare(source, select, opener=lambda p: opener(p, storage_options=storage_options), **options)
+    return compare(source, select, opener=lambda p: open(p, storage_options=storage_options), **options)
 
 
 def _bind(name: str) -> Any:

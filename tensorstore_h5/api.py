@@ -30,20 +30,11 @@ def _is_directory(path: Any) -> bool:
     return isinstance(path, (str, os.PathLike)) and os.path.isdir(path)
 
 
-def open(path: Any, *, storage_options: dict[str, Any] | None = None) -> Store | ShardedStore:
-    """Open ``path`` read-only (use it as a context manager): a local path, an fsspec URL
-    (``https://``, ``s3://``, ``file://``; ``storage_options`` go to fsspec) or a readable,
-    seekable binary file object, as a :class:`Store`; a local directory (a checkpoint written by
-    many ranks, or a Hugging Face sharded safetensors checkpoint: docs/DISTRIBUTED.md) as a
-    :class:`ShardedStore`, the same interface over its global tensors.
-
-    Raises:
-        FileNotFoundError: no such file or directory.
-        FormatError: not a checkpoint this library reads, or a damaged one (names the file).
-        RemoteError: a URL that cannot be read.
-    """
+def _open(path: Any, storage_options: dict[str, Any] | None) -> Store | ShardedStore:
+    """The store of ``path``, as :func:`tensorstore_h5.open` makes it (there, in the package, a
+    file's open imports no api.py)."""
     if _is_directory(path):
-        from .sharded import ShardedStore  # (imported for directories only: a file's first open is quicker)
+        from .sharded import ShardedStore
 
         return ShardedStore(path)
     return Store(path, storage_options=storage_options)
@@ -382,7 +373,7 @@ def _load_into(target: Any, path: PathLike, select: Selector, prefix: str, stric
         targets = {p: c[k] for p, (c, k) in slots.items()}
     else:
         raise TypeError(f"load_into needs an nn.Module or a nested dict of tensors, got {type(target).__name__}")
-    with open(path, storage_options=storage_options) as store:
+    with _open(path, storage_options) as store:
         tensor_kinds: tuple[type, ...] = (TensorEntry,)
         if not isinstance(store, Store):  # a directory: sharded is imported already
             from .sharded import ShardedTensorEntry

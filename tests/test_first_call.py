@@ -61,12 +61,27 @@ def test_a_slice_imports_no_display_or_codecs_module(tmp_path) -> None:
     load import ``display``."""
     path = tmp_path / "f.h5"
     th5.save({"model": {"w": torch.randn(64, 8)}, "step": 3}, path)
-    lazy = ("tensorstore_h5.display", "tensorstore_h5.codecs")
+    lazy = ("tensorstore_h5.display", "tensorstore_h5.codecs", "tensorstore_h5.api")
     code = f"import tensorstore_h5 as th5\nwith th5.open({str(path)!r}) as s: s['model/w'][:2]; s['model/w'][3]\n"
     mods = _imported_after(code)
     assert "tensorstore_h5.reading.tensors" in mods and [m for m in mods if m in lazy] == []
     mods = _imported_after(code + f"repr(th5.open({str(path)!r})); th5.load({str(path)!r})\n")
-    assert "tensorstore_h5.display" in mods
+    assert "tensorstore_h5.display" in mods and "tensorstore_h5.api" in mods
+
+
+def test_open_lives_in_the_package_and_imports_no_api_module(tmp_path) -> None:
+    """``th5.open`` is the package's own function (api.py, ~0.5-0.8 ms of a fresh process, is
+    ``load``'s and ``load_into``'s): a file opens as a Store and a directory as a ShardedStore
+    without it, the stores' modules bound as lazy names; ``load_into`` opens the same way."""
+    path = tmp_path / "f.h5"
+    th5.save({"w": torch.arange(6.0)}, path)
+    code = (f"import tensorstore_h5 as th5\ns = th5.open({str(path)!r})\n"
+            "assert type(s).__name__ == 'Store' and s['w'][1:3].tolist() == [1.0, 2.0]\n"
+            "assert th5.open.__module__ == 'tensorstore_h5' and 'Store' in vars(th5)\n")
+    mods = _imported_after(code)
+    assert "tensorstore_h5.reading.store" in mods and "tensorstore_h5.api" not in mods
+    assert "tensorstore_h5.sharded" not in mods
+    assert th5.open.__module__ == "tensorstore_h5" and th5.open.__doc__.startswith("Open ``path`` read-only")
 
 
 def test_convert_stays_the_function_whatever_imports_its_module_first() -> None:

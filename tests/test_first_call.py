@@ -188,6 +188,30 @@ def test_the_first_call_group_times_a_fresh_process(tmp_path) -> None:
         assert isinstance(seconds, firstcall.Measured) and 0 < float(seconds) < 30
 
 
+def test_the_first_call_full_loads_check_checksums_by_default_and_not_without(tmp_path) -> None:
+    """The two fresh-process full loads differ in the checksums only: with one data byte
+    changed, the default load's child fails naming a checksum and the ``verify=False`` one
+    loads (what checking costs a first load is their ratio in the table)."""
+    path = tmp_path / "ckpt.h5"
+    th5.save({"w": torch.arange(4096.0), "b": torch.ones(64)}, path)
+    with th5.open(path) as s:
+        at = s._layout.entry("w").extent.offset
+    with open(path, "r+b") as f:
+        f.seek(at + 100)
+        byte = f.read(1)
+        f.seek(at + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    ctx = Ctx(str(tmp_path), 0, 0)
+    unchecked, _ = CONTENDERS["F.tensorstore_h5 load(verify=False), fresh process"][1](ctx)
+    assert isinstance(unchecked(), firstcall.Measured)
+    try:
+        CONTENDERS["F.tensorstore_h5 load, fresh process"][1](ctx)
+    except RuntimeError as e:
+        assert "checksum" in str(e).lower() and "'w'" in str(e), e
+    else:
+        raise AssertionError("the default load read a changed byte without noticing")
+
+
 def test_a_foreign_file_closed_before_any_read_is_closed_in_libhdf5_too(tmp_path) -> None:
     """A store of a file only libhdf5 reads keeps its h5py file for the reader made on the first
     read; closed before any read, it closes that file as well (libhdf5's count of open files)."""

@@ -2,8 +2,9 @@
 library's own import included. Each run is a fresh interpreter that imports torch (and numpy)
 before the clock, then times, from its ``import`` of the library or peer to holding the
 result, one of: open + keys of 10,000 keys, a 1 % row slice of every tensor, ``load(mmap=True)``
-+ touch, a full load. The F.cli rows time whole commands (``tensorstore-h5 ls`` / ``info`` /
-``--help``) against the bare interpreter start. Byte-code caches are warm (a second run of a
++ touch, a full load (with checksums, the default, and without: what checking costs there).
+The F.cli rows time whole commands (``tensorstore-h5 ls`` / ``info`` / ``--help``) against the
+bare interpreter start. Byte-code caches are warm (a second run of a
 script), as are the files' pages.
 """
 
@@ -78,6 +79,10 @@ touch(load_file(PATH_ST).values())
 import tensorstore_h5 as th5
 th5.load(PATH)
 """,
+    "th5 load unchecked": """
+import tensorstore_h5 as th5
+th5.load(PATH, verify=False)
+""",
     "st clone": """
 from safetensors.torch import load_file
 [t.clone() for t in load_file(PATH_ST).values()]
@@ -128,6 +133,7 @@ _first("F.tensorstore_h5 load(mmap) + touch, fresh process", "th5 mmap", ("ckpt.
 _first("F.torch.load(mmap) + touch, fresh process", "torch mmap", ("ckpt.pt",), _data)
 _first("F.safetensors load_file + touch, fresh process", "st touch", ("ckpt.safetensors",), _data)
 _first("F.tensorstore_h5 load, fresh process", "th5 load", ("ckpt.h5",), _data)
+_first("F.tensorstore_h5 load(verify=False), fresh process", "th5 load unchecked", ("ckpt.h5",), _data)
 _first("F.safetensors load_file + clone, fresh process", "st clone", ("ckpt.safetensors",), _data)
 _first("F.tensorizer TensorDeserializer, fresh process", "tensorizer load", ("ckpt.tensors",), _data, "tensorizer")
 
@@ -166,7 +172,8 @@ FIRST_CALL_ORDER = [
     "F.safetensors get_slice 1% rows of every tensor, fresh process",
     "F.tensorstore_h5 load(mmap) + touch, fresh process", "F.torch.load(mmap) + touch, fresh process",
     "F.safetensors load_file + touch, fresh process",
-    "F.tensorstore_h5 load, fresh process", "F.safetensors load_file + clone, fresh process",
+    "F.tensorstore_h5 load, fresh process", "F.tensorstore_h5 load(verify=False), fresh process",
+    "F.safetensors load_file + clone, fresh process",
     "F.tensorizer TensorDeserializer, fresh process",
     "F.cli python -c pass (the interpreter's start)", "F.cli python -c 'import torch'", "F.cli tensorstore-h5 --help",
     "F.cli tensorstore-h5 ls (10,000 keys)", "F.cli tensorstore-h5 info (10,000 keys)",

@@ -395,6 +395,8 @@ def _ratios(rows: list[dict[str, Any]], echo: Callable[[str], None]) -> None:
           "first call: load(mmap)+touch vs safetensors load_file+touch (>= 0.91)")
     ratio(first.format("tensorstore_h5 load"), first.format("safetensors load_file + clone"),
           "first call: load vs safetensors load_file + clone (>= 1)")
+    ratio(first.format("tensorstore_h5 load(verify=False)"), first.format("safetensors load_file + clone"),
+          "first call: load(verify=False) vs safetensors load_file + clone")
     ratio(first.format("tensorstore_h5 load"), first.format("tensorizer TensorDeserializer"), "first call: load vs tensorizer")
     start = by.get("F.cli python -c pass (the interpreter's start)")
     if start is not None:

@@ -95,7 +95,8 @@ def open(path: Any, *, storage_options: dict[str, Any] | None = None) -> Store |
     """
     # Here, not in api.py: the first open of a file imports the reader's modules only (the
     # ~0.5 ms of api.py's import is load_into's); the first import of each is made with the
-    # collector paused, as a lazy name's (see _bind).
+    # collector paused, as a lazy name's (see _bind). (It shadows the builtin in this module,
+    # which opens no file itself.)
     if isinstance(path, (str, _os.PathLike)) and _os.path.isdir(path):
         opener = _first_use("ShardedStore")
         return opener(path)  # type: ignore[no-any-return]

@@ -4,8 +4,8 @@ before the clock, then times, from its ``import`` of the library or peer to hold
 result, one of: open + keys of 10,000 keys, a 1 % row slice of every tensor, ``load(mmap=True)``
 + touch, a full load (with checksums, the default, and without: what checking costs there).
 The F.cli rows time whole commands (``tensorstore-h5 ls`` / ``info`` / ``--help``) against the
-bare interpreter start. Byte-code caches are warm (a second run of a
-script), as are the files' pages.
+bare interpreter start. Byte-code caches are warm (a second run of a script), as are the
+files' pages.
 """
 
 from __future__ import annotations

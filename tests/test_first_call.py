@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import tensorstore_h5 as th5
@@ -232,3 +233,41 @@ def test_a_foreign_file_closed_before_any_read_is_closed_in_libhdf5_too(tmp_path
     with th5.open(path) as s:
         assert s["w"][:2].tolist() == [0.0, 1.0]
     assert open_files() == before
+
+
+def _minimal_experiment():
+    """bench/first_call_minimal.py, the experiment that README's first-call bounds quote."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "bench" / "first_call_minimal.py"
+    spec = importlib.util.spec_from_file_location("first_call_minimal", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_minimal_reader_experiment_runs_and_reads_what_the_library_reads(tmp_path, capsys) -> None:
+    """The experiment checks that its minimal reader's slices equal the library's before it times
+    anything, then prints each contender's figures and the ratios."""
+    experiment = _minimal_experiment()
+    assert experiment.main(["--rounds", "1", "--dir", str(tmp_path), "--size-gb", "0.003"]) == 0
+    out = capsys.readouterr().out
+    assert "tensors: the minimal reader's slices equal the library's" in out
+    for name in ("minimal", "tensorstore_h5", "safetensors"):
+        assert f"  {name}" in out and "best" in out
+    assert out.count("\n") >= 8
+
+
+def test_the_minimal_reader_experiment_notices_a_reader_that_reads_wrong(tmp_path) -> None:
+    """A minimal reader that returned other bytes would make the experiment's figures meaningless:
+    its check refuses it (here, the minimal reader's slices read one byte later)."""
+    experiment = _minimal_experiment()
+    (tmp_path / "th5_minimal.py").write_text(experiment.MINIMAL)
+    h5, _ = experiment._files(str(tmp_path), 0.003)
+    assert experiment.check_same(str(tmp_path), h5) > 0
+    wrong = experiment.MINIMAL.replace("self.at + start * row", "self.at + start * row + 1")
+    assert wrong != experiment.MINIMAL
+    (tmp_path / "th5_minimal.py").write_text(wrong)
+    with pytest.raises(AssertionError, match="the slices differ"):
+        experiment.check_same(str(tmp_path), h5)

@@ -99,31 +99,24 @@ class Minimal:
         os.close(self.fd)
 '''
 
-_PRELUDE = "import json, sys, time\nimport numpy, torch\nt0 = time.perf_counter()\n"
-_SCRIPTS = {
-    "minimal": """
+_MINIMAL_SLICES = """
 sys.path.insert(0, HERE)
 import th5_minimal
 with th5_minimal.Minimal(PATH) as s:
     for k in s.keys():
         h = s[k]
         h[: max(1, len(h) // 100)]
-""",
-    "tensorstore_h5": """
-import tensorstore_h5 as th5
-with th5.open(PATH) as s:
-    for k in s.keys():
-        h = s[k]
-        h[: max(1, len(h) // 100)]
-""",
-    "safetensors": """
-from safetensors import safe_open
-with safe_open(PATH_ST, "pt") as f:
-    for k in f.keys():
-        sl = f.get_slice(k)
-        sl[: max(1, sl.get_shape()[0] // 100)].clone()
-""",
-}
+"""
+_CONTENDERS = ("minimal", "tensorstore_h5", "safetensors")
+
+
+def _script(name: str) -> str:
+    """The timed body of contender ``name``: the library's and safetensors' are the bench's own
+    first-call slice scripts (``tensorstore_h5.bench.firstcall.SCRIPTS``)."""
+    from tensorstore_h5.bench import firstcall
+
+    return {"minimal": _MINIMAL_SLICES, "tensorstore_h5": firstcall.SCRIPTS["th5 slices"],
+            "safetensors": firstcall.SCRIPTS["st slices"]}[name]
 
 
 def _files(directory: str, size_gb: float) -> tuple[str, str]:
@@ -163,7 +156,9 @@ def check_same(directory: str, h5: str) -> int:
 
 def _once(name: str, directory: str, h5: str, st: str) -> float:
     """Milliseconds that one fresh interpreter measured for contender ``name``."""
-    body = f"HERE = {directory!r}\nPATH = {h5!r}\nPATH_ST = {st!r}\n" + _PRELUDE + _SCRIPTS[name] + \
+    from tensorstore_h5.bench import firstcall
+
+    body = f"HERE = {directory!r}\nPATH = {h5!r}\nPATH_ST = {st!r}\n" + firstcall.PRELUDE + _script(name) + \
         "print(json.dumps((time.perf_counter() - t0) * 1e3))\n"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # byte code cached, as users have it
     out = subprocess.run([sys.executable, "-c", body], capture_output=True, text=True, env=env, check=True)
@@ -181,16 +176,16 @@ def main(argv: list[str] | None = None) -> int:
         f.write(MINIMAL)
     h5, st = _files(args.dir, args.size_gb)
     print(f"{check_same(args.dir, h5)} tensors: the minimal reader's slices equal the library's")
-    for name in _SCRIPTS:  # once each, untimed: byte code compiled and cached, the files' pages read
+    for name in _CONTENDERS:  # once each, untimed: byte code compiled and cached, the files' pages read
         _once(name, args.dir, h5, st)
-    times: dict[str, list[float]] = {name: [] for name in _SCRIPTS}
+    times: dict[str, list[float]] = {name: [] for name in _CONTENDERS}
     for _ in range(args.rounds):
-        for name in _SCRIPTS:
+        for name in _CONTENDERS:
             times[name].append(_once(name, args.dir, h5, st))
     best = {n: min(t) for n, t in times.items()}
     med = {n: statistics.median(t) for n, t in times.items()}
     print(f"1 % row slice of every tensor, fresh process, {args.rounds} rounds (ms)")
-    for n in _SCRIPTS:
+    for n in _CONTENDERS:
         print(f"  {n:15s} best {best[n]:6.1f}  median {med[n]:6.1f}")
     print("safetensors' time / each (>= 1: as fast), best and median")
     for n in ("minimal", "tensorstore_h5"):

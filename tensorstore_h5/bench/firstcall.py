@@ -21,7 +21,7 @@ from typing import Any
 from .contenders import Ctx, Timed, contender
 from .measure import peer
 
-__all__ = ["Measured", "FIRST_CALL_ORDER"]
+__all__ = ["Measured", "FIRST_CALL_ORDER", "PRELUDE", "SCRIPTS"]
 
 
 class Measured(float):
@@ -29,7 +29,7 @@ class Measured(float):
     runner reports instead of the time the operation took (the child's start)."""
 
 
-_PRELUDE = """
+PRELUDE = """
 import json, sys, time
 import numpy, torch
 def touch(ts):
@@ -38,8 +38,9 @@ def touch(ts):
             t.view(-1)[:: max(1, 4096 // t.element_size())].sum()
 t0 = time.perf_counter()
 """
+"""What each child runs before the clock starts (``t0``): torch and numpy imported."""
 
-_SCRIPTS = {
+SCRIPTS = {
     "th5 keys": """
 import tensorstore_h5 as th5
 with th5.open(PATH_KEYS) as s:
@@ -94,14 +95,15 @@ dict(d.items())
 d.close()
 """,
 }
+"""Each contender's timed body (``PATH``... name its files): from its import to holding the result."""
 
 
 def _child(ctx: Ctx, script: str) -> Measured:
-    """Run ``_SCRIPTS[script]`` in a fresh interpreter; the seconds it measured itself."""
+    """Run ``SCRIPTS[script]`` in a fresh interpreter; the seconds it measured itself."""
     paths = {"PATH": ctx.path("ckpt.h5"), "PATH_ST": ctx.path("ckpt.safetensors"), "PATH_PT": ctx.path("ckpt.pt"),
              "PATH_TZ": ctx.path("ckpt.tensors"), "PATH_KEYS": ctx.path("many.h5"),
              "PATH_KEYS_ST": ctx.path("many.safetensors")}
-    body = "".join(f"{k} = {v!r}\n" for k, v in paths.items()) + _PRELUDE + textwrap.dedent(_SCRIPTS[script]) + \
+    body = "".join(f"{k} = {v!r}\n" for k, v in paths.items()) + PRELUDE + textwrap.dedent(SCRIPTS[script]) + \
         "print(json.dumps(time.perf_counter() - t0))\n"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # byte code cached, as users have it
     out = subprocess.run([sys.executable, "-c", body], capture_output=True, text=True, env=env, check=False)

@@ -19,10 +19,8 @@ fast); the README's first-call bounds quote a run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -146,23 +144,21 @@ def check_same(directory: str, h5: str) -> int:
     minimal = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(minimal)  # type: ignore[union-attr]
     with minimal.Minimal(h5) as mini, th5.open(h5) as store:
-        assert mini.keys() == store.keys(), "the minimal reader lists other keys"
-        for k in store.keys():
-            rows = slice(0, max(1, len(store[k]) // 100))
-            a, b = mini[k][rows], store[k][rows]
+        keys = store.keys()
+        assert mini.keys() == keys, "the minimal reader lists other keys"
+        for k in keys:
+            h = store[k]
+            rows = slice(0, max(1, len(h) // 100))
+            a, b = mini[k][rows], h[rows]
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{k}: the slices differ"
-    return len(store.keys())
+    return len(keys)
 
 
 def _once(name: str, directory: str, h5: str, st: str) -> float:
     """Milliseconds that one fresh interpreter measured for contender ``name``."""
     from tensorstore_h5.bench import firstcall
 
-    body = f"HERE = {directory!r}\nPATH = {h5!r}\nPATH_ST = {st!r}\n" + firstcall.PRELUDE + _script(name) + \
-        "print(json.dumps((time.perf_counter() - t0) * 1e3))\n"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # byte code cached, as users have it
-    out = subprocess.run([sys.executable, "-c", body], capture_output=True, text=True, env=env, check=True)
-    return float(json.loads(out.stdout.strip().splitlines()[-1]))
+    return 1e3 * firstcall.run_script(_script(name), {"HERE": directory, "PATH": h5, "PATH_ST": st}, name)
 
 
 def main(argv: list[str] | None = None) -> int:

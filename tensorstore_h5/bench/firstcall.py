@@ -21,7 +21,7 @@ from typing import Any
 from .contenders import Ctx, Timed, contender
 from .measure import peer
 
-__all__ = ["Measured", "FIRST_CALL_ORDER", "PRELUDE", "SCRIPTS"]
+__all__ = ["Measured", "FIRST_CALL_ORDER", "PRELUDE", "SCRIPTS", "run_script"]
 
 
 class Measured(float):
@@ -103,12 +103,19 @@ def _child(ctx: Ctx, script: str) -> Measured:
     paths = {"PATH": ctx.path("ckpt.h5"), "PATH_ST": ctx.path("ckpt.safetensors"), "PATH_PT": ctx.path("ckpt.pt"),
              "PATH_TZ": ctx.path("ckpt.tensors"), "PATH_KEYS": ctx.path("many.h5"),
              "PATH_KEYS_ST": ctx.path("many.safetensors")}
-    body = "".join(f"{k} = {v!r}\n" for k, v in paths.items()) + PRELUDE + textwrap.dedent(SCRIPTS[script]) + \
+    return run_script(SCRIPTS[script], paths, script)
+
+
+def run_script(body: str, variables: dict[str, Any], name: str) -> Measured:
+    """Run :data:`PRELUDE` and ``body`` (a timed body as in :data:`SCRIPTS`, with ``variables``
+    bound first) in a fresh interpreter, byte code cached; the seconds it measured itself.
+    Raises RuntimeError naming ``name`` with the child's error output when it fails."""
+    code = "".join(f"{k} = {v!r}\n" for k, v in variables.items()) + PRELUDE + textwrap.dedent(body) + \
         "print(json.dumps(time.perf_counter() - t0))\n"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # byte code cached, as users have it
-    out = subprocess.run([sys.executable, "-c", body], capture_output=True, text=True, env=env, check=False)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     if out.returncode:
-        raise RuntimeError(f"first-call script {script!r} failed: {out.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"first-call script {name!r} failed: {out.stderr.strip()[-2000:]}")
     return Measured(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
